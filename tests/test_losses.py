@@ -1,0 +1,283 @@
+"""Tests of the contrastive losses against literal implementations of the paper."""
+
+import doctest
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from fedjax_mm import losses
+from fedjax_mm.losses import contrastive, gramian, muscle
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _random_problem(seed, num_others, batch, dim=5):
+  rng = np.random.default_rng(seed)
+  anchor = _unit(rng.normal(size=(batch, dim)))
+  others = _unit(rng.normal(size=(num_others, batch, dim)))
+  tau = rng.uniform(0.1, 0.5, size=num_others)
+  gamma = rng.uniform(0.2, 3.0, size=(num_others, num_others))
+  gamma = (gamma + gamma.T) / 2
+  return anchor, others, tau, gamma
+
+
+def _literal_muscle(anchor, others, tau, gamma):
+  """Eq. (3) as written: a Python loop over every tuple j in [B]^M."""
+  num_others, batch, _ = others.shape
+  losses_ = []
+  for i in range(batch):
+
+    def logit(j, i=i):
+      value = sum(anchor[i] @ others[m, j[m]] / tau[m] for m in range(num_others))
+      # log alpha_j = -1/2 sum over ordered pairs m != m' of gamma z^m . z^m'.
+      for m in range(num_others):
+        for mp in range(num_others):
+          if m != mp:
+            value -= 0.5 * gamma[m, mp] * others[m, j[m]] @ others[mp, j[mp]]
+      return value
+
+    all_logits = [logit(j) for j in itertools.product(range(batch), repeat=num_others)]
+    top = max(all_logits)
+    denominator = top + np.log(sum(np.exp(v - top) for v in all_logits))
+    losses_.append(denominator - logit((i,) * num_others))
+  return np.array(losses_)
+
+
+def _literal_info_nce(anchor, positive, temperature):
+  out = []
+  for i in range(anchor.shape[0]):
+    logits = np.array([anchor[i] @ positive[j] / temperature for j in range(positive.shape[0])])
+    out.append(-logits[i] + np.log(np.exp(logits).sum()))
+  return np.array(out)
+
+
+@pytest.mark.usefixtures("x64")
+class TestMuscle:
+  @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 4), (4, 3)])
+  def test_equals_literal_loop_over_tuples(self, num_others, batch):
+    anchor, others, tau, gamma = _random_problem(num_others, num_others, batch)
+    expected = _literal_muscle(anchor, others, tau, gamma)
+    got = losses.muscle_loss(jnp.asarray(anchor), jnp.asarray(others), tau=tau, gamma=gamma)
+    np.testing.assert_allclose(got, expected, rtol=1e-10)
+
+  @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 4), (4, 3)])
+  def test_protocols_and_chunks_agree(self, num_others, batch):
+    anchor, others, tau, gamma = _random_problem(10 + num_others, num_others, batch)
+    reference = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma)
+    targets = losses.muscle_server_targets(others, tau=tau, gamma=gamma)
+    np.testing.assert_allclose(losses.muscle_client_loss(anchor, targets), reference, rtol=1e-12)
+    s, log_alpha = losses.muscle_paper_targets(others, tau=tau, gamma=gamma)
+    assert s.shape == (batch**num_others, anchor.shape[1])
+    assert log_alpha.shape == (batch**num_others,)
+    paper = losses.muscle_loss_from_paper_targets(anchor, s, log_alpha)
+    np.testing.assert_allclose(paper, reference, rtol=1e-12)
+    for chunk in range(1, batch + 2):
+      chunked = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma, chunk_size=chunk)
+      np.testing.assert_allclose(chunked, reference, rtol=1e-12)
+
+  def test_chunked_gradients_agree(self):
+    anchor, others, tau, gamma = _random_problem(3, 3, 5)
+
+    def total(a, o, chunk):
+      return losses.muscle_loss(a, o, tau=tau, gamma=gamma, chunk_size=chunk).sum()
+
+    grad = jax.jit(jax.grad(total, argnums=(0, 1)), static_argnums=2)
+    full = grad(anchor, others, None)
+    for chunk in (1, 2, 4):
+      chunked = grad(anchor, others, chunk)
+      chex.assert_trees_all_close(chunked, full, rtol=1e-10)
+
+  def test_one_other_model_is_info_nce(self):
+    anchor, others, tau, _ = _random_problem(4, 1, 6)
+    got = losses.muscle_loss(anchor, others, tau=tau[0], gamma=2.0)
+    expected = losses.info_nce(anchor, others[0], temperature=tau[0])
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    np.testing.assert_allclose(expected, _literal_info_nce(anchor, others[0], tau[0]), rtol=1e-12)
+
+  def test_zero_gamma_is_pairwise(self):
+    anchor, others, tau, _ = _random_problem(5, 3, 5)
+    got = losses.muscle_loss(anchor, others, tau=tau, gamma=0.0)
+    expected = losses.pairwise_info_nce(anchor, others, tau=tau)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    literal = sum(_literal_info_nce(anchor, others[m], tau[m]) for m in range(3))
+    np.testing.assert_allclose(expected, literal, rtol=1e-12)
+
+  def test_gamma_changes_the_loss(self):
+    # Guards the tests above against a gamma that is silently ignored.
+    anchor, others, tau, gamma = _random_problem(6, 3, 4)
+    with_gamma = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma)
+    without = losses.muscle_loss(anchor, others, tau=tau, gamma=0.0)
+    assert np.abs(with_gamma - without).max() > 1e-3
+
+  def test_gamma_diagonal_is_ignored_and_scalar_broadcasts(self):
+    anchor, others, tau, _ = _random_problem(7, 3, 4)
+    gamma = np.full((3, 3), 1.5)
+    np.fill_diagonal(gamma, 100.0)
+    np.testing.assert_allclose(
+      losses.muscle_loss(anchor, others, tau=tau, gamma=gamma),
+      losses.muscle_loss(anchor, others, tau=tau, gamma=1.5),
+      rtol=1e-12,
+    )
+
+  def test_gradients(self):
+    anchor, others, tau, gamma = _random_problem(8, 2, 3, dim=3)
+    f = jax.jit(lambda a, o: losses.muscle_loss(a, o, tau=tau, gamma=gamma, chunk_size=2))
+    check_grads(f, (anchor, others), order=2, modes=["rev"])
+    targets = losses.muscle_server_targets(others, tau=tau, gamma=gamma)
+    check_grads(
+      lambda a: losses.muscle_client_loss(a, targets), (anchor,), order=1, modes=["fwd", "rev"]
+    )
+
+  def test_vmap_over_users(self):
+    rng = np.random.default_rng(9)
+    anchors = _unit(rng.normal(size=(5, 4, 6)))
+    others = _unit(rng.normal(size=(5, 3, 4, 6)))
+    batched = jax.vmap(lambda a, o: losses.muscle_loss(a, o, tau=0.2, gamma=1.5))(anchors, others)
+    looped = np.stack(
+      [losses.muscle_loss(a, o, tau=0.2, gamma=1.5) for a, o in zip(anchors, others, strict=True)]
+    )
+    np.testing.assert_allclose(batched, looped, rtol=1e-12)
+
+  def test_server_targets_are_what_the_paper_sends(self):
+    _, others, tau, gamma = _random_problem(11, 3, 4)
+    targets = losses.muscle_server_targets(others, tau=tau, gamma=gamma)
+    np.testing.assert_allclose(targets.scaled_others, others / tau[:, None, None], rtol=1e-12)
+    for p, (m, mp) in enumerate(itertools.combinations(range(3), 2)):
+      np.testing.assert_allclose(
+        targets.pair_logits[p], -gamma[m, mp] * others[m] @ others[mp].T, rtol=1e-12
+      )
+    s, log_alpha = losses.muscle_paper_targets(others, tau=tau, gamma=gamma)
+    for flat, j in enumerate(itertools.product(range(4), repeat=3)):
+      np.testing.assert_allclose(
+        s[flat], sum(others[m, j[m]] / tau[m] for m in range(3)), rtol=1e-12
+      )
+      expected = -sum(
+        gamma[m, mp] * others[m, j[m]] @ others[mp, j[mp]]
+        for m, mp in itertools.combinations(range(3), 2)
+      )
+      np.testing.assert_allclose(log_alpha[flat], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_muscle_gamma():
+  np.testing.assert_allclose(losses.muscle_gamma(0.2, 0.15), 1 / 0.15 - 1 / 0.2, rtol=1e-6)
+  tau_full, tau_reduced = np.full((3, 3), 0.3), np.full((3, 3), 0.1)
+  np.testing.assert_allclose(
+    losses.muscle_gamma(tau_full, tau_reduced), np.full((3, 3), 10 - 10 / 3), rtol=1e-6
+  )
+
+
+def test_muscle_compiles_once_per_shape():
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(a, o):
+    return jax.value_and_grad(lambda a: losses.muscle_loss(a, o, tau=0.2, gamma=1.0).mean())(a)
+
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    step(
+      jnp.asarray(_unit(rng.normal(size=(4, 8))), jnp.float32),
+      jnp.asarray(_unit(rng.normal(size=(3, 4, 8))), jnp.float32),
+    )
+
+
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
+    (dict(others=np.ones((0, 4, 3))), "at least one other"),
+    (dict(others=np.ones((2, 1, 3)), anchor=np.ones((1, 3))), "at least 2"),
+    (dict(tau=np.ones(3)), "tau must be"),
+    (dict(gamma=np.ones((3, 3))), "gamma must be"),
+    (dict(anchor=np.ones((3, 3))), "anchor must be"),
+  ],
+)
+def test_muscle_bad_input(kwargs, message):
+  args = dict(anchor=np.ones((4, 3)), others=np.ones((2, 4, 3)), tau=0.2, gamma=1.0) | kwargs
+  args = {k: np.asarray(v, np.float32) if isinstance(v, np.ndarray) else v for k, v in args.items()}
+  with pytest.raises(ValueError, match=message):
+    losses.muscle_loss(args.pop("anchor"), args.pop("others"), **args)
+
+
+@pytest.mark.usefixtures("x64")
+class TestInfoNCE:
+  def test_literal(self):
+    anchor, others, _, _ = _random_problem(20, 1, 6)
+    np.testing.assert_allclose(
+      losses.info_nce(anchor, others[0], temperature=0.3),
+      _literal_info_nce(anchor, others[0], 0.3),
+      rtol=1e-12,
+    )
+
+  def test_where_equals_dropping_the_rows(self):
+    anchor, others, _, _ = _random_problem(21, 1, 7)
+    where = np.array([1, 1, 0, 1, 0, 1, 1], bool)
+    masked = losses.info_nce(anchor, others[0], temperature=0.3, where=where)
+    dropped = losses.info_nce(anchor[where], others[0][where], temperature=0.3)
+    np.testing.assert_allclose(masked[where], dropped, rtol=1e-12)
+    np.testing.assert_array_equal(masked[~where], 0.0)
+
+  def test_symmetric(self):
+    a, b, _, _ = _random_problem(22, 1, 6)
+    b = b[0]
+    got = losses.symmetric_info_nce(a, b, temperature=0.25, weight=0.7)
+    expected = 0.7 * _literal_info_nce(a, b, 0.25) + 0.3 * _literal_info_nce(b, a, 0.25)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def _literal_gramian(anchor, others, tau):
+  num_others, batch, _ = others.shape
+  out = []
+  for i in range(batch):
+    logits = []
+    for j in range(batch):
+      vectors = np.stack([anchor[i]] + [others[m, j] for m in range(num_others)])
+      logits.append(-np.sqrt(max(np.linalg.det(vectors @ vectors.T), 0.0)) / tau)
+    logits = np.array(logits)
+    out.append(np.log(np.exp(logits).sum()) - logits[i])
+  return np.array(out)
+
+
+@pytest.mark.usefixtures("x64")
+class TestGramian:
+  @pytest.mark.parametrize("num_others", [1, 2, 3])
+  def test_against_direct_determinant(self, num_others):
+    anchor, others, _, _ = _random_problem(30 + num_others, num_others, 5, dim=6)
+    got = losses.gramian_loss(anchor, others, tau=0.2)
+    np.testing.assert_allclose(got, _literal_gramian(anchor, others, 0.2), rtol=1e-9)
+
+  def test_one_other_model_is_not_info_nce(self):
+    # Appendix J: with two models the Gramian loss is not InfoNCE. Its logit is
+    # -|sin(angle)|/tau, blind to the sign of the similarity: flipping the
+    # positive to its antipode leaves the loss unchanged, unlike InfoNCE.
+    anchor, others, _, _ = _random_problem(40, 1, 6)
+    g = losses.gramian_loss(anchor, others, tau=0.2)
+    assert np.abs(g - losses.info_nce(anchor, others[0], temperature=0.2)).max() > 1e-2
+    np.testing.assert_allclose(losses.gramian_loss(anchor, -others, tau=0.2), g, rtol=1e-10)
+    similarity = anchor @ others[0].T
+    logits = -np.sqrt(1 - similarity**2) / 0.2
+    np.testing.assert_allclose(g, np.log(np.exp(logits).sum(-1)) - np.diag(logits), rtol=1e-8)
+
+  def test_gradients(self):
+    anchor, others, _, _ = _random_problem(41, 2, 4, dim=6)
+    check_grads(
+      lambda a, o: gramian.gramian_loss(a, o, tau=0.3), (anchor, others), order=1, modes=["rev"]
+    )
+
+  def test_degenerate_volume_has_finite_gradient(self):
+    anchor, others, _, _ = _random_problem(42, 1, 3)
+    grad = jax.grad(lambda a: losses.gramian_loss(a, jnp.asarray(anchor)[None], tau=0.2).sum())(
+      jnp.asarray(anchor)
+    )
+    assert np.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("module", [contrastive, muscle, gramian])
+def test_doctests(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  assert result.failed == 0
