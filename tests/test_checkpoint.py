@@ -1,0 +1,272 @@
+"""Tests for the Orbax checkpointer: round trips, shardings, typed keys, atomicity."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fedjax_mm.core.checkpoint import Checkpointer
+from fedjax_mm.core.ledger import Ledger
+
+K = 8  # One client per fake device.
+
+
+@flax.struct.dataclass
+class Group:
+  params: dict
+  opt_state: optax.OptState
+  rng: jax.Array  # Typed keys [K].
+  mask: jax.Array
+
+
+@flax.struct.dataclass
+class State:
+  group: Group
+  server: dict
+  legacy_rng: jax.Array  # jax.random.PRNGKey: uint32[2].
+  round: int
+
+
+def init_state(seed: int = 0, num_clients: int = K) -> State:
+  """A small federated state, built with numpy (no compilation: tests stay fast)."""
+  rng = np.random.default_rng(seed)
+  params = {
+    "dense": {
+      "w": jnp.asarray(rng.standard_normal((num_clients, 3, 5), np.float32)),
+      "b": jnp.asarray(rng.standard_normal((num_clients, 5)).astype(jnp.bfloat16)),
+    },
+    "scale": jnp.full((num_clients,), 0.5, jnp.float32),
+  }
+  group = Group(
+    params=params,
+    opt_state=jax.vmap(optax.adam(1e-3).init)(params),
+    rng=jax.random.split(jax.random.key(seed), num_clients),
+    mask=jnp.asarray(np.arange(num_clients) < num_clients - 1),
+  )
+  server = {"proj": jnp.eye(4, dtype=jnp.float32), "step": jnp.int32(seed)}
+  return State(group, server, jax.random.PRNGKey(seed + 1), seed)
+
+
+def advance(state: State) -> State:
+  """A fake round: every client leaf changes (params, adam moments and count, keys)."""
+  rng = np.random.default_rng(state.round + 100)
+
+  def step(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)) + np.uint32(1))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      noise = rng.standard_normal(x.shape).astype(x.dtype)
+      return jnp.asarray(np.asarray(x) + noise)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      return jnp.asarray(np.asarray(x) + 1)
+    return x
+
+  return state.replace(group=jax.tree.map(step, state.group), round=state.round + 1)
+
+
+def assert_bit_identical(expected, actual):
+  assert jax.tree.structure(expected) == jax.tree.structure(actual)
+  for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
+    if isinstance(x, int):
+      assert type(y) is int and x == y
+      continue
+    assert x.shape == y.shape and x.dtype == y.dtype
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      assert jax.random.key_impl(x) == jax.random.key_impl(y)
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    np.testing.assert_array_equal(np.ravel(x).view(np.uint8), np.ravel(y).view(np.uint8))
+
+
+def test_round_trip_concrete_target(tmp_path):
+  state = advance(advance(init_state()))
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() is None
+    assert ckpt.save(2, state)
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
+    restored = ckpt.restore(init_state(seed=5))
+  assert_bit_identical(state, restored)
+  assert isinstance(restored, State) and isinstance(
+    restored.group.opt_state[0], optax.ScaleByAdamState
+  )
+  # The target was uncommitted (made outside jit): so is the result.
+  assert not restored.group.params["scale"].committed
+
+
+def test_restore_into_eval_shape_target(tmp_path):
+  state = advance(init_state(seed=3))
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state)
+    ckpt.wait()
+  abstract = jax.eval_shape(init_state)
+  # A fresh Checkpointer, as in a resumed run.
+  with Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(abstract)
+  # eval_shape turns the Python round counter into a 0-d int32 array.
+  assert int(restored.round) == state.round
+  assert_bit_identical(state.replace(round=0), restored.replace(round=0))
+  assert jax.dtypes.issubdtype(restored.group.rng.dtype, jax.dtypes.prng_key)
+  # Restored keys are live: they generate the same numbers as the originals.
+  np.testing.assert_array_equal(
+    jax.vmap(jax.random.uniform)(restored.group.rng), jax.vmap(jax.random.uniform)(state.group.rng)
+  )
+  leaf = restored.group.params["dense"]["w"]
+  assert isinstance(leaf, jax.Array) and not leaf.committed
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_key_implementations_round_trip(tmp_path, impl):
+  keys = jax.random.split(jax.random.key(7, impl=impl), 4)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(0, {"keys": keys})
+    restored = ckpt.restore(jax.eval_shape(lambda: {"keys": keys}))
+  assert_bit_identical({"keys": keys}, restored)
+
+
+def test_restore_onto_client_sharding(tmp_path):
+  mesh = jax.make_mesh((8,), ("clients",))
+  clients = NamedSharding(mesh, P("clients"))
+  replicated = NamedSharding(mesh, P())
+
+  def sharding_of(path, x):
+    # Everything under the client group is stacked [K, ...]; the rest is server state.
+    return clients if path[0].name == "group" else replicated
+
+  state = advance(init_state())
+  # Save from a sharded state, as a real run on 8 devices would.
+  shardings = jax.tree.map_with_path(sharding_of, jax.eval_shape(init_state))
+  sharded_state = jax.tree.map(
+    lambda x, s: jax.device_put(x, s) if isinstance(x, jax.Array) else x, state, shardings
+  )
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, sharded_state)
+    ckpt.wait()
+    abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      jax.eval_shape(init_state),
+      shardings,
+    )
+    restored = ckpt.restore(abstract)
+  assert_bit_identical(state.replace(round=0), restored.replace(round=0))
+  for path, leaf in jax.tree.leaves_with_path(restored):
+    expected = clients if path[0].name == "group" else replicated
+    assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), path
+  rng = restored.group.rng
+  assert rng.sharding == clients and len(rng.addressable_shards) == 8
+  assert rng.addressable_shards[0].data.shape == (1,)
+
+
+def test_sharded_save_restores_unsharded(tmp_path):
+  """A checkpoint written from 8 devices restores without its stored sharding."""
+  mesh = jax.make_mesh((8,), ("clients",))
+  x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("clients")))
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(0, {"x": x})
+    restored = ckpt.restore({"x": jax.ShapeDtypeStruct((8, 2), jnp.float32)})
+  assert not restored["x"].committed and len(restored["x"].devices()) == 1
+  np.testing.assert_array_equal(restored["x"], np.arange(16.0).reshape(8, 2))
+
+
+def test_metadata_round_trip(tmp_path):
+  ledger = Ledger.zeros(3).add(up=[1, 2, 3], down=np.int64(2**40), round=0)
+  metadata = {
+    "config": {"lr": 1e-3, "users": ["a", "b", "c"], "shape": (32, 256)},
+    "round": np.int32(1),
+    "loss": jnp.float32(0.25),
+    "ledger": ledger,
+  }
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, {"x": jnp.zeros(2)}, metadata=metadata)
+    ckpt.save(2, {"x": jnp.ones(2)})
+    assert ckpt.restore_metadata() == {}
+    meta = ckpt.restore_metadata(step=1)
+  assert meta["config"] == {"lr": 1e-3, "users": ["a", "b", "c"], "shape": [32, 256]}
+  assert meta["round"] == 1 and meta["loss"] == 0.25
+  assert Ledger.from_dict(meta["ledger"]) == ledger
+  with pytest.raises(TypeError, match="JSON"):
+    Checkpointer(tmp_path / "bad").save(0, {"x": jnp.zeros(2)}, metadata={"f": object()})
+
+
+def test_max_to_keep_and_interval(tmp_path):
+  state = init_state()
+  with Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=2) as ckpt:
+    saved = [ckpt.save(step, state.replace(round=step)) for step in range(7)]
+    assert saved == [True, False, True, False, True, False, True]
+    assert ckpt.save(7, state.replace(round=7), force=True)
+    ckpt.wait()
+    assert ckpt.all_steps() == [6, 7]
+    assert ckpt.latest_step() == 7
+    assert ckpt.restore(state).round == 7
+    assert ckpt.restore(state, step=6).round == 6
+    with pytest.raises(FileNotFoundError):
+      ckpt.restore(state, step=4)
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 7
+  with pytest.raises(FileNotFoundError):
+    Checkpointer(tmp_path / "empty").restore(state)
+
+
+def test_incomplete_steps_are_ignored(tmp_path):
+  state = init_state()
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(3, state.replace(round=3))
+  # What a crash leaves behind: Orbax's tmp directory, and (on a file system
+  # without atomic rename) a step directory that was never finalised.
+  (tmp_path / "5.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+  (tmp_path / "4" / "state").mkdir(parents=True)
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 3
+    assert ckpt.all_steps() == [3]
+    assert ckpt.restore(state).round == 3
+  # The tmp directory is cleaned up when a Checkpointer opens the directory.
+  assert not (tmp_path / "5.orbax-checkpoint-tmp").exists()
+
+
+def test_crash_mid_save_keeps_previous_step(tmp_path):
+  """A process killed while writing step 2 leaves step 1 restorable."""
+  script = textwrap.dedent(
+    f"""
+    import os
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.path import atomicity
+    from fedjax_mm.core.checkpoint import Checkpointer
+
+    ckpt = Checkpointer({str(tmp_path)!r})
+    ckpt.save(1, {{"x": jnp.full((64,), 1.0), "round": 1}})
+    ckpt.wait()
+
+    async def die(*args, **kwargs):  # Killed after writing, before the rename.
+      os._exit(17)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = die
+    ckpt.save(2, {{"x": jnp.full((64,), 2.0), "round": 2}})
+    ckpt.wait()
+    os._exit(0)  # Not reached.
+    """
+  )
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+  assert result.returncode == 17, result.stderr.decode()[-2000:]
+  # The dead process left its partial step 2 behind.
+  assert any(name.startswith("2.") for name in os.listdir(tmp_path))
+  target = {"x": jax.ShapeDtypeStruct((64,), jnp.float32), "round": 0}
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 1
+    restored = ckpt.restore(target)
+    np.testing.assert_array_equal(restored["x"], np.full((64,), 1.0))
+    assert restored["round"] == 1
+    # Training resumes and step 2 can be written again.
+    ckpt.save(2, {"x": jnp.full((64,), 2.0), "round": 2})
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
