@@ -1,0 +1,386 @@
+"""Client groups: stacked state, vmapped local training and evaluation.
+
+Users that share one model definition (encoder + head) form a *group*. A group
+is held as pytrees whose every leaf has a leading client axis ``[K, ...]``:
+
+* :class:`ClientState` — what training changes: the trainable parameters, the
+  optax state and a typed PRNG key per client; plus ``shared``, parameters that
+  every client of the group holds identically and nobody trains (the frozen
+  base weights under LoRA), kept once, without a client axis.
+* :class:`ClientData` — what it reads: each client's local arrays padded to a
+  common size ``n`` with a sample mask, global user ids and a client mask
+  (padding clients, added to fill the device mesh, have mask 0).
+
+Client code is written for ONE client (:func:`local_update`,
+:func:`evaluate_client`) and batched with ``jax.vmap`` in exactly one place
+(:func:`train_group`, :func:`evaluate_group`); nothing loops over clients in
+Python. The graph definition of the model (``nnx.split`` once at
+:func:`init_group`) travels in a static :class:`GroupDef`; the model is
+re-assembled with ``nnx.merge`` inside the traced functions.
+
+Local training follows fedjax/FedAvg conventions. ``E`` epochs of a client with
+``n_k`` valid samples take ``ceil(n_k / b)`` steps each; the scan runs the
+group's maximum and masks the steps a client does not have, so small clients
+are not over-trained. Each epoch visits a fresh random order of the client's own
+samples drawn from the client's own key. Sample ``i``'s sort key is drawn from
+``fold_in(epoch_key, i)`` and step ``s`` of epoch ``e`` uses
+``fold_in(fold_in(key, e), s)``, so appending padding samples (or padding
+clients) changes neither the order of the real samples nor any random draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from fedjax_mm.core.sharding import replicate, shard_clients
+from fedjax_mm.core.tasks import Task
+
+Array = jax.Array
+PyTree = Any
+# objective(params, batch, batch_mask, key) -> (loss, aux dict of scalars)
+Objective = Callable[[PyTree, dict[str, Array], Array, Array], tuple[Array, dict[str, Array]]]
+
+
+@struct.dataclass
+class ClientState:
+  """Trainable state of a group of ``K`` clients.
+
+  Attributes:
+    params: trainable parameters (an ``nnx.State``), every leaf ``[K, ...]``.
+    opt_state: optax state of ``params``, every leaf ``[K, ...]``.
+    rng: ``[K]`` typed PRNG keys, advanced once per call of local training.
+    shared: parameters held identically by all clients and not trained (the
+      frozen base weights under LoRA; an empty state otherwise). No client axis.
+  """
+
+  params: PyTree
+  opt_state: PyTree
+  rng: Array
+  shared: PyTree
+
+  def place(self, mesh: Mesh) -> ClientState:
+    """Splits the client axis over ``mesh``; replicates ``shared``."""
+    clients = shard_clients((self.params, self.opt_state, self.rng), mesh)
+    return ClientState(*clients, shared=replicate(self.shared, mesh))
+
+
+@struct.dataclass
+class ClientData:
+  """Local data of a group of ``K`` clients, padded to ``n`` samples each.
+
+  Attributes:
+    arrays: dict of ``[K, n, ...]`` arrays (``image``, ``caption``, labels, ...).
+    sample_mask: ``bool [K, n]``, True for real samples.
+    user_ids: ``int32 [K]`` global user ids, -1 for padding clients.
+    client_mask: ``bool [K]``, True for real clients.
+  """
+
+  arrays: dict[str, Array]
+  sample_mask: Array
+  user_ids: Array
+  client_mask: Array
+
+  def place(self, mesh: Mesh) -> ClientData:
+    """Splits the client axis of every array over ``mesh``."""
+    return shard_clients(self, mesh)
+
+  @property
+  def num_clients(self) -> int:
+    return self.sample_mask.shape[0]
+
+  @property
+  def num_samples(self) -> Array:
+    """``int32 [K]`` real samples per client (0 for padding clients)."""
+    return jnp.sum(self.sample_mask & self.client_mask[:, None], axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDef:
+  """Static description of a group: model graph, optimiser and task.
+
+  Hashable and array-free, so jitted round functions close over it.
+
+  Attributes:
+    name: display name (e.g. ``"vit_s/multilabel"``).
+    graphdef: the ``nnx.GraphDef`` of the model, from ``nnx.split``.
+    tx: optax transformation used by every client of the group.
+    task: the group's supervised :class:`~fedjax_mm.core.tasks.Task`.
+    local_epochs: ``E``, local epochs per round.
+    batch_size: ``b``, local minibatch size.
+  """
+
+  name: str
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  task: Task
+  local_epochs: int = 1
+  batch_size: int = 32
+
+  def merge(self, params: PyTree, shared: PyTree) -> nnx.Module:
+    """The model of one client from its parameters (inside traced code)."""
+    return nnx.merge(self.graphdef, params, shared)
+
+
+def init_group(
+  make_model: Callable[[nnx.Rngs], nnx.Module],
+  *,
+  name: str,
+  tx: optax.GradientTransformation,
+  task: Task,
+  key: Array,
+  num_clients: int,
+  trainable: Any = nnx.Param,
+  same_init: bool = False,
+  local_epochs: int = 1,
+  batch_size: int = 32,
+) -> tuple[GroupDef, ClientState]:
+  """Builds a group's static definition and its stacked initial state.
+
+  Args:
+    make_model: ``rngs -> nnx.Module``, the architecture of every client.
+    name: display name.
+    tx: optimiser.
+    task: the group's task.
+    key: typed PRNG key of this group (derived from the run's root seed).
+    num_clients: ``K`` (padding clients included).
+    trainable: nnx filter of the trained parameters (e.g. LoRA adapters +
+      projector + head); the rest is ``shared``, initialised once for the group.
+    same_init: all clients start from identical parameters (FedAvg) instead
+      of independently initialised ones (FedMuscle's heterogeneous users).
+    local_epochs: ``E``.
+    batch_size: ``b``.
+
+  Returns:
+    ``(GroupDef, ClientState)``.
+  """
+  if num_clients < 1:
+    raise ValueError(f"a group needs at least one client, got {num_clients}.")
+  init_key, rng_key = jax.random.split(key)
+
+  def split(k):
+    return nnx.split(make_model(nnx.Rngs(k)), trainable, ...)
+
+  graphdef, _, shared = split(init_key)
+  client_keys = jax.random.split(init_key, num_clients)
+  if same_init:
+    client_keys = jnp.broadcast_to(init_key, (num_clients,))
+  params = jax.vmap(lambda k: split(k)[1])(client_keys)
+  opt_state = jax.vmap(tx.init)(params)
+  state = ClientState(
+    params=params, opt_state=opt_state, rng=jax.random.split(rng_key, num_clients), shared=shared
+  )
+  group = GroupDef(
+    name=name, graphdef=graphdef, tx=tx, task=task, local_epochs=local_epochs, batch_size=batch_size
+  )
+  return group, state
+
+
+def make_client_data(
+  stacked: dict[str, np.ndarray],
+  sample_mask: np.ndarray,
+  *,
+  user_ids: np.ndarray,
+  client_mask: np.ndarray | None = None,
+) -> ClientData:
+  """Wraps stacked numpy arrays (see :func:`fedjax_mm.data.stack_clients`)."""
+  num_clients = sample_mask.shape[0]
+  if client_mask is None:
+    client_mask = np.ones(num_clients, bool)
+  user_ids = np.where(client_mask, np.asarray(user_ids), -1).astype(np.int32)
+  return ClientData(
+    arrays={k: jnp.asarray(v) for k, v in stacked.items()},
+    sample_mask=jnp.asarray(sample_mask, bool) & jnp.asarray(client_mask, bool)[:, None],
+    user_ids=jnp.asarray(user_ids),
+    client_mask=jnp.asarray(client_mask, bool),
+  )
+
+
+def supervised_objective(group: GroupDef, shared: PyTree) -> Objective:
+  """The task loss of one client as an :data:`Objective`."""
+
+  def objective(params, batch, batch_mask, key):
+    model = group.merge(params, shared)
+    outputs = model(group.task.inputs(batch, key))
+    loss = group.task.loss(outputs, batch[group.task.target_key], batch_mask)
+    return loss, {}
+
+  return objective
+
+
+def with_proximal_term(objective: Objective, center: PyTree, mu: float) -> Objective:
+  """FedProx: adds ``mu / 2 * ||params - center||^2`` to an objective."""
+
+  def proximal(params, batch, batch_mask, key):
+    loss, aux = objective(params, batch, batch_mask, key)
+    diff = jax.tree.map(lambda p, c: p - c, params, center)
+    penalty = 0.5 * mu * sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(diff))
+    return loss + penalty, aux | {"proximal": penalty}
+
+  return proximal
+
+
+def _epoch_orders(key: Array, sample_mask: Array, num_epochs: int, padded: int) -> Array:
+  """``[E, padded]`` sample orders: real samples first, in a fresh random order."""
+  n = sample_mask.shape[0]
+
+  def one_epoch(e):
+    epoch_key = jax.random.fold_in(key, e)
+    scores = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(epoch_key, i)))(jnp.arange(n))
+    order = jnp.argsort(jnp.where(sample_mask, scores, 2.0), stable=True)
+    return jnp.pad(order, (0, padded - n))
+
+  return jax.vmap(one_epoch)(jnp.arange(num_epochs))
+
+
+def local_update(
+  objective: Objective,
+  tx: optax.GradientTransformation,
+  params: PyTree,
+  opt_state: PyTree,
+  rng: Array,
+  arrays: dict[str, Array],
+  sample_mask: Array,
+  *,
+  num_epochs: int,
+  batch_size: int,
+) -> tuple[PyTree, PyTree, Array, dict[str, Array]]:
+  """Local training of ONE client: ``E`` epochs of minibatch steps.
+
+  Args:
+    objective: ``(params, batch, batch_mask, key) -> (loss, aux)``.
+    tx: optax transformation.
+    params: the client's trainable parameters.
+    opt_state: its optimizer state.
+    rng: its typed PRNG key.
+    arrays: dict of ``[n, ...]`` local arrays.
+    sample_mask: ``bool [n]``.
+    num_epochs: ``E`` (static).
+    batch_size: ``b`` (static).
+
+  Returns:
+    ``(params, opt_state, rng, stats)`` where ``stats`` holds ``loss`` (mean
+    over the steps taken) and ``steps`` (number of steps taken).
+  """
+  n = sample_mask.shape[0]
+  steps_per_epoch = max(1, math.ceil(n / batch_size))
+  padded = steps_per_epoch * batch_size
+  num_valid = jnp.sum(sample_mask)
+  rng, key = jax.random.split(rng)
+  order_key, step_key = jax.random.split(key)
+  orders = _epoch_orders(order_key, sample_mask, num_epochs, padded).reshape(
+    num_epochs, steps_per_epoch, batch_size
+  )
+  positions = jnp.arange(padded).reshape(steps_per_epoch, batch_size)
+
+  def step(carry, xs):
+    params, opt_state = carry
+    epoch, index, idx = xs
+    batch_mask = positions[index] < num_valid
+    taken = jnp.any(batch_mask)
+    batch = jax.tree.map(lambda x: x[idx], arrays)
+    key = jax.random.fold_in(jax.random.fold_in(step_key, epoch), index)
+    (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, batch_mask, key)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(taken, a, b), new, old)
+    return (keep(new_params, params), keep(new_opt_state, opt_state)), (loss * taken, taken)
+
+  epochs = jnp.repeat(jnp.arange(num_epochs), steps_per_epoch)
+  indices = jnp.tile(jnp.arange(steps_per_epoch), num_epochs)
+  (params, opt_state), (losses, taken) = jax.lax.scan(
+    step, (params, opt_state), (epochs, indices, orders.reshape(-1, batch_size))
+  )
+  steps = jnp.sum(taken)
+  stats = {"loss": jnp.sum(losses) / jnp.maximum(steps, 1), "steps": steps}
+  return params, opt_state, rng, stats
+
+
+def train_group(
+  group: GroupDef,
+  state: ClientState,
+  data: ClientData,
+  *,
+  objective_fn: Callable[[GroupDef, PyTree], Objective] = supervised_objective,
+  prox_mu: float = 0.0,
+  active: Array | None = None,
+) -> tuple[ClientState, dict[str, Array]]:
+  """Local training of every client of a group in one ``vmap``.
+
+  Args:
+    group: the group's static definition.
+    state: stacked :class:`ClientState`.
+    data: stacked :class:`ClientData`.
+    objective_fn: builds a client objective from the group and its shared
+      parameters (default: the supervised task loss).
+    prox_mu: FedProx coefficient; the proximal centre is each client's
+      parameters at the start of local training.
+    active: optional ``bool [K]``: clients that train this round (sampled
+      participants); inactive clients keep their state.
+
+  Returns:
+    ``(state, stats)`` with per-client ``loss`` and ``steps`` ``[K]``.
+  """
+  mask = data.sample_mask
+  if active is not None:
+    mask = mask & active[:, None]
+  base = objective_fn(group, state.shared)
+
+  def one_client(params, opt_state, rng, arrays, sample_mask):
+    objective = with_proximal_term(base, params, prox_mu) if prox_mu else base
+    return local_update(
+      objective,
+      group.tx,
+      params,
+      opt_state,
+      rng,
+      arrays,
+      sample_mask,
+      num_epochs=group.local_epochs,
+      batch_size=group.batch_size,
+    )
+
+  params, opt_state, rng, stats = jax.vmap(one_client)(
+    state.params, state.opt_state, state.rng, data.arrays, mask
+  )
+  return state.replace(params=params, opt_state=opt_state, rng=rng), stats
+
+
+def evaluate_client(
+  group: GroupDef,
+  params: PyTree,
+  shared: PyTree,
+  arrays: dict[str, Array],
+  sample_mask: Array,
+  *,
+  batch_size: int = 128,
+) -> dict[str, Array]:
+  """Task loss and metric of ONE client on its (padded) evaluation set."""
+  model = group.merge(params, shared)
+  inputs = group.task.inputs(arrays)
+  outputs = jax.lax.map(model, inputs, batch_size=min(batch_size, inputs.shape[0]))
+  targets = arrays[group.task.target_key]
+  return {
+    "loss": group.task.loss(outputs, targets, sample_mask),
+    group.task.metric_name: group.task.metric(outputs, targets, sample_mask),
+  }
+
+
+def evaluate_group(
+  group: GroupDef, state: ClientState, data: ClientData, *, batch_size: int = 128
+) -> dict[str, Array]:
+  """:func:`evaluate_client` for every client of a group: ``{name: [K]}``."""
+  fn = functools.partial(evaluate_client, group, batch_size=batch_size)
+  return jax.vmap(fn, in_axes=(0, None, 0, 0))(
+    state.params, state.shared, data.arrays, data.sample_mask
+  )

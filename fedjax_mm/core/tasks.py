@@ -1,0 +1,107 @@
+"""Supervised tasks: what a client's inputs, targets, loss and metric are.
+
+A :class:`Task` is a small static description (hashable, so it can be closed
+over by jitted functions) that turns a batch of a client's local data (a dict of
+arrays, see :mod:`fedjax_mm.data`) into model inputs, and model outputs into a
+loss and the task's metric as the papers report it:
+
+==================  =====================  ===========================  ===========
+kind                outputs                loss                         metric
+==================  =====================  ===========================  ===========
+``classification``  logits ``[b, C]``      softmax cross-entropy        accuracy
+``multilabel``      logits ``[b, C]``      sigmoid binary CE (mean/C)   micro-F1
+``segmentation``    logits ``[b,H,W,C]``   per-pixel softmax CE         mIoU
+==================  =====================  ===========================  ===========
+
+Text tasks are classification tasks whose input is ``caption``: the data holds
+several captions per sample ``[n, C, L]``; training picks one at random per
+sample and step, evaluation uses the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_mm import metrics
+
+Array = jax.Array
+
+KINDS = ("classification", "multilabel", "segmentation")
+METRIC_NAMES = {"classification": "accuracy", "multilabel": "micro_f1", "segmentation": "mIoU"}
+
+
+def masked_mean(values: Array, mask: Array) -> Array:
+  """Mean of ``values [b]`` over ``mask [b]``; 0 when nothing is valid."""
+  mask = mask.astype(values.dtype)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A supervised task on one client's data.
+
+  Attributes:
+    kind: one of :data:`KINDS`.
+    input_key: data key of the model input, ``"image"`` or ``"caption"``.
+    target_key: data key of the target, e.g. ``"label10"``, ``"multilabel"``,
+      ``"mask"``, ``"caption_label"``.
+    num_outputs: number of classes (labels for multi-label).
+  """
+
+  kind: str
+  input_key: str
+  target_key: str
+  num_outputs: int
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"unknown task kind {self.kind!r}; expected one of {KINDS}.")
+    if self.num_outputs < 1:
+      raise ValueError(f"num_outputs must be positive, got {self.num_outputs}.")
+
+  @property
+  def modality(self) -> str:
+    return "text" if self.input_key == "caption" else "image"
+
+  @property
+  def metric_name(self) -> str:
+    return METRIC_NAMES[self.kind]
+
+  def inputs(self, batch: dict[str, Array], key: Array | None = None) -> Array:
+    """Model inputs of a batch; one random caption per sample when ``key``."""
+    x = batch[self.input_key]
+    if self.input_key == "caption" and x.ndim == 3:  # [b, C, L]: several captions.
+      if key is None:
+        return x[:, 0]
+      choice = jax.random.randint(key, (x.shape[0],), 0, x.shape[1])
+      return jnp.take_along_axis(x, choice[:, None, None], axis=1)[:, 0]
+    return x
+
+  def per_example_loss(self, outputs: Array, targets: Array) -> Array:
+    """Loss of each example ``[b]``."""
+    if self.kind == "classification":
+      return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+    if self.kind == "multilabel":
+      return optax.sigmoid_binary_cross_entropy(outputs, targets.astype(outputs.dtype)).mean(-1)
+    per_pixel = optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+    return per_pixel.reshape(per_pixel.shape[0], -1).mean(-1)
+
+  def loss(self, outputs: Array, targets: Array, mask: Array) -> Array:
+    """Mean loss over the valid examples of a batch (``mask [b]``)."""
+    return masked_mean(self.per_example_loss(outputs, targets), mask)
+
+  def metric(self, outputs: Array, targets: Array, mask: Array) -> Array:
+    """The task's reported metric over the valid examples (a fraction)."""
+    if self.kind == "classification":
+      return metrics.accuracy(outputs, targets, where=mask)
+    if self.kind == "multilabel":
+      return metrics.micro_f1(outputs, targets, where=mask)
+    return metrics.mean_iou(outputs, targets, num_classes=self.num_outputs, where=mask)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)

@@ -1,0 +1,126 @@
+"""Pure server transforms of stacked client updates.
+
+Each function takes stacked arrays (every leaf ``[K, ...]``) and per-client
+weights ``[K]`` and returns arrays; nothing loops over clients in Python.
+Padding clients and clients that did not take part simply carry weight 0.
+
+* :func:`weighted_mean` — FedAvg's aggregate ``sum_k w_k x_k / sum_k w_k``.
+* :func:`broadcast` — the server's answer, copied back to every client.
+* :func:`fedavg` — both, restricted to the parameters a path predicate selects
+  (all of them by default; adapters only, or a common subspace only, for the
+  algorithms that federate a part of the model).
+* :func:`sample_clients` — uniform sampling of a fixed number of participants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+PyTree = Any
+PathPredicate = Callable[[tuple[Any, ...]], bool]
+
+
+def weighted_mean(stacked: PyTree, weights: Array) -> PyTree:
+  """Weighted mean over the leading client axis of every leaf.
+
+  Args:
+    stacked: pytree of ``[K, ...]`` arrays.
+    weights: ``[K]`` non-negative weights (0 for padding / absent clients).
+
+  Returns:
+    pytree of ``[...]`` arrays. If every weight is 0 the result is 0.
+  """
+  weights = jnp.asarray(weights, jnp.float32)
+  total = jnp.sum(weights)
+  safe = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+
+  def mean(x):
+    w = safe.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+    return jnp.sum(w * x, axis=0)
+
+  return jax.tree.map(mean, stacked)
+
+
+def broadcast(tree: PyTree, num_clients: int) -> PyTree:
+  """Copies each leaf to a new leading client axis of size ``num_clients``."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape), tree)
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+  names = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)))
+        break
+    else:
+      names.append(str(entry))
+  return tuple(names)
+
+
+def path_contains(*names: str) -> PathPredicate:
+  """A predicate selecting leaves whose path has any of ``names`` as a component."""
+  wanted = set(names)
+  return lambda path: bool(wanted & set(_path_names(path)))
+
+
+def fedavg(
+  stacked: PyTree,
+  weights: Array,
+  *,
+  receive: Array | None = None,
+  select: PathPredicate | None = None,
+) -> tuple[PyTree, PyTree]:
+  """FedAvg over the selected leaves: aggregate, then send back.
+
+  Args:
+    stacked: pytree of ``[K, ...]`` client parameters (or updates).
+    weights: ``[K]`` aggregation weights (e.g. sample counts of participants).
+    receive: optional ``bool [K]``: clients that receive the aggregate
+      (default: all). The others keep their values.
+    select: optional path predicate; unselected leaves are left untouched
+      (each client keeps its own) and do not appear in the aggregate.
+
+  Returns:
+    ``(new_stacked, aggregate)`` where ``aggregate`` holds the weighted means of
+    the selected leaves (``None`` for unselected ones).
+  """
+  num_clients = jnp.shape(weights)[0]
+
+  def one(path, x):
+    if select is not None and not select(path):
+      return x, None
+    mean = weighted_mean(x, weights)
+    new = jnp.broadcast_to(mean, x.shape)
+    if receive is not None:
+      new = jnp.where(receive.reshape((num_clients,) + (1,) * (x.ndim - 1)), new, x)
+    return new, mean
+
+  pairs = jax.tree_util.tree_map_with_path(one, stacked)
+  is_pair = lambda t: isinstance(t, tuple) and len(t) == 2
+  new = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+  aggregate = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+  return new, aggregate
+
+
+def sample_clients(key: Array, client_mask: Array, num: int) -> Array:
+  """``bool [K]``: ``num`` participants drawn uniformly among valid clients.
+
+  Args:
+    key: PRNG key of this round.
+    client_mask: ``bool [K]`` valid (non-padding) clients.
+    num: participants per round (static). If it exceeds the number of valid
+      clients, every valid client takes part.
+
+  Returns:
+    ``bool [K]`` participation mask.
+  """
+  scores = jnp.where(client_mask, jax.random.uniform(key, client_mask.shape), -1.0)
+  num = min(num, client_mask.shape[0])
+  threshold = jax.lax.top_k(scores, num)[0][-1]
+  return client_mask & (scores >= threshold)

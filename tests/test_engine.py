@@ -1,0 +1,249 @@
+"""Equivalences of the client engine: vmapped == looped, padded == unpadded, sharded == unsharded."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from engine_toys import TASK, client_arrays, make_group
+
+from fedjax_mm import algorithms, core, server
+
+SIZES = (5, 11, 1, 8)
+
+
+def _data(sizes=SIZES, n_max=None, seed=0, user_ids=None):
+  arrays, mask = client_arrays(seed, sizes, n_max)
+  return core.make_client_data(
+    arrays, mask, user_ids=user_ids if user_ids is not None else np.arange(len(sizes))
+  )
+
+
+def _take(tree, k):
+  return jax.tree.map(lambda x: x[k], tree)
+
+
+@functools.cache
+def _train(group):
+  return jax.jit(functools.partial(core.train_group, group))
+
+
+def test_vmapped_round_equals_loop_over_clients():
+  group, state = make_group(len(SIZES))
+  data = _data()
+  trained, stats = _train(group)(state, data)
+
+  single = jax.jit(
+    lambda p, o, r, a, m: core.local_update(
+      core.supervised_objective(group, state.shared),
+      group.tx,
+      p,
+      o,
+      r,
+      a,
+      m,
+      num_epochs=2,
+      batch_size=4,
+    )
+  )
+  for k, n in enumerate(SIZES):
+    params, opt_state, rng, client_stats = single(
+      _take(state.params, k),
+      _take(state.opt_state, k),
+      state.rng[k],
+      _take(data.arrays, k),
+      data.sample_mask[k],
+    )
+    chex.assert_trees_all_close(params, _take(trained.params, k), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(opt_state, _take(trained.opt_state, k), rtol=1e-5, atol=1e-6)
+    assert jax.random.key_data(rng).tolist() == jax.random.key_data(trained.rng[k]).tolist()
+    # E = 2 epochs of ceil(n / b) steps each: small clients are not over-trained.
+    assert int(client_stats["steps"]) == int(stats["steps"][k]) == 2 * -(-n // 4)
+
+
+def test_training_reduces_the_loss():
+  group, state = make_group(len(SIZES))
+  data = _data()
+  before = core.evaluate_group(group, state, data)
+  for _ in range(20):
+    state, _ = _train(group)(state, data)
+  after = core.evaluate_group(group, state, data)
+  assert float(after["loss"][1]) < 0.5 * float(before["loss"][1])
+  assert float(after["accuracy"][1]) > float(before["accuracy"][1])
+
+
+def test_padded_samples_and_padding_clients_change_nothing():
+  group, state = make_group(len(SIZES))
+  trained, _ = _train(group)(state, _data())
+
+  # Same clients, samples padded from 11 to 16, plus two padding clients.
+  padded_group, padded_state = make_group(len(SIZES) + 2)
+  padded_state = jax.tree.map(lambda full, s: full.at[: len(SIZES)].set(s), padded_state, state)
+  padded_state = padded_state.replace(shared=state.shared)
+  arrays, mask = client_arrays(0, SIZES + (0, 0), n_max=16)
+  client_mask = np.array([True] * len(SIZES) + [False, False])
+  padded_data = core.make_client_data(arrays, mask, user_ids=np.arange(6), client_mask=client_mask)
+  padded_trained, stats = _train(padded_group)(padded_state, padded_data)
+
+  chex.assert_trees_all_close(
+    _take(padded_trained.params, slice(0, len(SIZES))), trained.params, rtol=1e-6, atol=1e-7
+  )
+  chex.assert_trees_all_equal(
+    _take(padded_trained.params, slice(len(SIZES), None)),
+    _take(padded_state.params, slice(len(SIZES), None)),
+  )
+  assert stats["steps"][len(SIZES) :].tolist() == [0, 0]
+  assert padded_data.user_ids.tolist()[-2:] == [-1, -1]
+
+
+def test_sharded_round_equals_unsharded():
+  assert jax.device_count() == 8
+  sizes = (3, 7, 2, 9, 4, 6, 5, 8)
+  group, state = make_group(len(sizes))
+  data = _data(sizes)
+  alg = algorithms.fedavg([group], clients_per_round=5)
+  fed_state = alg.init([state], jax.random.key(1))
+  round_fn = jax.jit(alg.round)
+  expected, _ = round_fn(fed_state, [data])
+
+  mesh = core.client_mesh()
+  sharded_state = fed_state.place(mesh)
+  sharded_data = [data.place(mesh)]
+  got, _ = core.jit_round(alg.round, sharded_state, donate=False)(sharded_state, sharded_data)
+  leaf = jax.tree.leaves(got.groups[0].params)[0]
+  assert leaf.sharding.spec[0] == "clients" and len(leaf.sharding.device_set) == 8
+  chex.assert_trees_all_close(got.groups[0].params, expected.groups[0].params, rtol=1e-5, atol=1e-6)
+
+
+def test_group_is_padded_to_the_mesh():
+  mesh = core.client_mesh()
+  assert core.padded_size(5, mesh) == 8
+  assert core.padded_size(17, mesh) == 24
+  with pytest.raises(ValueError, match="multiple of 8"):
+    core.shard_clients({"x": jnp.zeros((5, 2))}, mesh)
+
+
+def test_round_compiles_once():
+  group, state = make_group(len(SIZES), same_init=True)
+  data = _data()
+  alg = algorithms.fedavg([group], clients_per_round=2)
+  traced = chex.assert_max_traces(alg.round, n=1)
+  round_fn = jax.jit(traced, donate_argnums=0)
+  fed_state = alg.init([state], jax.random.key(0))
+  for _ in range(3):
+    fed_state, _ = round_fn(fed_state, [data])
+  assert int(fed_state.round) == 3
+
+
+def _softmax(z):
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_fedavg_matches_hand_computation():
+  # Two clients of a linear softmax classifier, one full-batch SGD step each.
+  sizes = (3, 5)
+  group, state = make_group(2, same_init=True, batch_size=8, local_epochs=1, tx=optax.sgd(0.5))
+  data = _data(sizes, seed=3)
+  alg = algorithms.fedavg([group])
+  new_state, _ = jax.jit(alg.round)(alg.init([state], jax.random.key(0)), [data])
+
+  params = jax.tree.map(lambda x: np.asarray(x[0], np.float64), state.params)
+  w1, b1 = params["hidden"]["kernel"], params["hidden"]["bias"]
+  w2, b2 = params["out"]["kernel"], params["out"]["bias"]
+  updated = []
+  for k, n in enumerate(sizes):
+    x = np.asarray(data.arrays["x"][k, :n], np.float64)
+    y = np.asarray(data.arrays["y"][k, :n])
+    h_pre = x @ w1 + b1
+    h = np.maximum(h_pre, 0)
+    g_logits = (_softmax(h @ w2 + b2) - np.eye(3)[y]) / n
+    g_w2, g_b2 = h.T @ g_logits, g_logits.sum(0)
+    g_h = g_logits @ w2.T * (h_pre > 0)
+    g_w1, g_b1 = x.T @ g_h, g_h.sum(0)
+    updated.append([w1 - 0.5 * g_w1, b1 - 0.5 * g_b1, w2 - 0.5 * g_w2, b2 - 0.5 * g_b2])
+  expected = [(3 * a + 5 * b) / 8 for a, b in zip(*updated, strict=True)]
+  got = new_state.groups[0].params
+  for k in range(2):  # Both clients hold the new global model.
+    np.testing.assert_allclose(got["hidden"]["kernel"][k], expected[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["hidden"]["bias"][k], expected[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["out"]["kernel"][k], expected[2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["out"]["bias"][k], expected[3], rtol=1e-5, atol=1e-6)
+
+
+def test_fedprox_proximal_term():
+  group, state = make_group(1)
+  data = _data((6,))
+  params = _take(state.params, 0)
+  center = jax.tree.map(lambda x: x + 0.1, params)
+  base = core.supervised_objective(group, state.shared)
+  prox = core.with_proximal_term(base, center, mu=0.3)
+  batch = _take(data.arrays, 0)
+  mask = data.sample_mask[0]
+  key = jax.random.key(0)
+  (loss, _), grad = jax.value_and_grad(base, has_aux=True)(params, batch, mask, key)
+  (prox_loss, aux), prox_grad = jax.value_and_grad(prox, has_aux=True)(params, batch, mask, key)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  np.testing.assert_allclose(prox_loss - loss, 0.5 * 0.3 * 0.01 * num_params, rtol=1e-4)
+  np.testing.assert_allclose(aux["proximal"], prox_loss - loss, rtol=1e-5)
+  chex.assert_trees_all_close(
+    prox_grad, jax.tree.map(lambda g: g - 0.3 * 0.1, grad), rtol=1e-5, atol=1e-6
+  )
+
+  # In a round, a large mu keeps the local models near the global one.
+  sizes = (6, 9, 4, 7)
+  group, state = make_group(4, same_init=True)
+  data = _data(sizes)
+  drift = {}
+  for mu in (0.0, 10.0):
+    trained, _ = jax.jit(functools.partial(core.train_group, group, prox_mu=mu))(state, data)
+    diff = jax.tree.map(lambda a, b: jnp.sum((a - b) ** 2), trained.params, state.params)
+    drift[mu] = float(sum(jax.tree.leaves(diff)))
+  assert drift[10.0] < 0.5 * drift[0.0]
+
+
+def test_client_sampling():
+  mask = jnp.array([True, True, False, True, True, True, False, True])
+  for seed in range(5):
+    chosen = server.sample_clients(jax.random.key(seed), mask, 3)
+    assert int(chosen.sum()) == 3 and not bool(jnp.any(chosen & ~mask))
+  counts = sum(
+    np.asarray(server.sample_clients(jax.random.key(s), mask, 3), int) for s in range(600)
+  )
+  assert counts[2] == counts[6] == 0
+  np.testing.assert_allclose(counts[mask], 600 * 3 / 6, rtol=0.15)
+  assert int(server.sample_clients(jax.random.key(0), mask, 20).sum()) == 6
+
+
+def test_fedavg_select_by_path_keeps_the_rest_personal():
+  group, state = make_group(4)  # Different initialisations per client.
+  weights = jnp.array([1.0, 2.0, 0.0, 1.0])
+  new, aggregate = server.fedavg(state.params, weights, select=server.path_contains("out"))
+  out_kernel = np.asarray(state.params["out"]["kernel"])
+  expected = (out_kernel[0] + 2 * out_kernel[1] + out_kernel[3]) / 4
+  np.testing.assert_allclose(aggregate["out"]["kernel"], expected, rtol=1e-6)
+  np.testing.assert_allclose(new["out"]["kernel"][2], expected, rtol=1e-6)
+  chex.assert_trees_all_equal(new["hidden"], state.params["hidden"])
+  assert jax.tree.leaves(aggregate["hidden"]) == []
+
+
+def test_evaluate_metrics_match_numpy():
+  group, state = make_group(len(SIZES))
+  data = _data()
+  got = core.evaluate_group(group, state, data)
+  for k, n in enumerate(SIZES):
+    model = group.merge(_take(state.params, k), state.shared)
+    logits = np.asarray(model(data.arrays["x"][k, :n]))
+    labels = np.asarray(data.arrays["y"][k, :n])
+    np.testing.assert_allclose(got["accuracy"][k], np.mean(logits.argmax(-1) == labels), rtol=1e-6)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(got["loss"][k], -np.mean(log_probs[np.arange(n), labels]), rtol=1e-5)
+
+
+def test_task_validation():
+  with pytest.raises(ValueError, match="unknown task kind"):
+    core.Task(kind="regression", input_key="x", target_key="y", num_outputs=1)
+  assert TASK.metric_name == "accuracy"
