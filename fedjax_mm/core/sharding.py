@@ -60,6 +60,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+  if isinstance(x, jax.ShapeDtypeStruct):  # An abstract state: the restore target of a checkpoint.
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     data = _place(jax.random.key_data(x), sharding)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
@@ -70,7 +72,11 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def shard_clients(tree: Any, mesh: Mesh) -> Any:
-  """Splits every leaf's leading client axis over the mesh."""
+  """Splits every leaf's leading client axis over the mesh.
+
+  Leaves may be arrays (placed) or ``jax.ShapeDtypeStruct`` (given the
+  sharding, e.g. to restore a checkpoint of ``jax.eval_shape(init)``).
+  """
   size = mesh.shape[CLIENTS]
   for leaf in jax.tree.leaves(tree):
     if leaf.shape[0] % size:

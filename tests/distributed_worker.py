@@ -1,0 +1,54 @@
+"""One process of the multi-process FedAvg test (started by test_distributed.py).
+
+  python tests/distributed_worker.py PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT OUT.npz
+
+Every process builds the same group and data from the same seeds, places them
+on the global ``clients`` mesh (each process supplies its own devices' slices),
+runs one FedAvg round with client sampling, gathers the result and writes it.
+"""
+
+import os
+import sys
+
+process_id, num_processes, devices, port, out = sys.argv[1:]
+process_id, num_processes, devices = int(process_id), int(num_processes), int(devices)
+os.environ.pop("XLA_FLAGS", None)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", devices)
+if num_processes > 1:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes, process_id, initialization_timeout=120
+  )
+
+import numpy as np  # noqa: E402
+from engine_toys import client_arrays, make_group  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from fedjax_mm import algorithms, core  # noqa: E402
+
+assert jax.device_count() == num_processes * devices, jax.devices()
+sizes = (3, 7, 2, 9, 4, 6, 5, 8)
+group, state = make_group(len(sizes), same_init=True)
+arrays, mask = client_arrays(0, sizes)
+data = core.make_client_data(arrays, mask, user_ids=np.arange(len(sizes)))
+alg = algorithms.fedavg([group], clients_per_round=5)
+
+mesh = core.client_mesh()
+fed_state = alg.init([state], jax.random.key(1)).place(mesh)
+data = data.place(mesh)
+round_fn = core.jit_round(alg.round, fed_state, donate=False)
+for _ in range(2):
+  fed_state, stats = round_fn(fed_state, [data])
+params = multihost_utils.process_allgather(fed_state.groups[0].params, tiled=True)
+active = multihost_utils.process_allgather(stats["tiny"]["active"], tiled=True)
+leaves = {
+  "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+  for path, v in jax.tree_util.tree_leaves_with_path(params)
+}
+if process_id == 0:
+  np.savez(out, active=np.asarray(active), **leaves)
+print(f"process {process_id}: {jax.device_count()} devices, done", flush=True)
