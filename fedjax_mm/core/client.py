@@ -356,6 +356,20 @@ def train_group(
   return state.replace(params=params, opt_state=opt_state, rng=rng), stats
 
 
+def apply_in_batches(fn: Callable[[Array], Array], x: Array, batch_size: int) -> Array:
+  """``fn`` on ``x [n, ...]`` in minibatches of ``batch_size`` (bounded memory).
+
+  ``fn`` sees whole minibatches ``[b, ...]`` (``jax.lax.map``'s own
+  ``batch_size`` would vmap it over single examples); the last one is padded.
+  """
+  n = x.shape[0]
+  b = max(1, min(batch_size, n))
+  chunks = math.ceil(n / b)
+  padded = jnp.pad(x, [(0, chunks * b - n)] + [(0, 0)] * (x.ndim - 1))
+  out = jax.lax.map(fn, padded.reshape((chunks, b) + x.shape[1:]))
+  return out.reshape((chunks * b,) + out.shape[2:])[:n]
+
+
 def evaluate_client(
   group: GroupDef,
   params: PyTree,
@@ -367,8 +381,7 @@ def evaluate_client(
 ) -> dict[str, Array]:
   """Task loss and metric of ONE client on its (padded) evaluation set."""
   model = group.merge(params, shared)
-  inputs = group.task.inputs(arrays)
-  outputs = jax.lax.map(model, inputs, batch_size=min(batch_size, inputs.shape[0]))
+  outputs = apply_in_batches(model, group.task.inputs(arrays), batch_size)
   targets = arrays[group.task.target_key]
   return {
     "loss": group.task.loss(outputs, targets, sample_mask),

@@ -1,0 +1,48 @@
+r"""Runs an experiment from a config file.
+
+  python -m experiments.main --config=experiments/fedmuscle.py [--workdir=runs/fedmuscle] [--overwrite]
+
+The loop lives in the library (``fedjax_mm.runner``); this file only parses
+flags. A bad config or workdir is reported in one line on stderr with exit
+status 2, before any compilation.
+"""
+
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from fedjax_mm.runner import fedmuscle as fedmuscle_runner
+from fedjax_mm.runner.workdir import WorkdirError
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<config name>).")
+_OVERWRITE = flags.DEFINE_bool(
+  "overwrite", False, "Move an existing workdir with another config aside."
+)
+
+RUNNERS = {"fedmuscle": fedmuscle_runner.run}
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  config_path = flags.FLAGS["config"].config_filename
+  name = pathlib.Path(config_path.split(":")[0]).stem
+  if name not in RUNNERS:
+    sys.exit(f"error: no runner for config {name!r}; known: {', '.join(RUNNERS)}")
+  workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
+  try:
+    RUNNERS[name](_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
+  except (fedmuscle_runner.ConfigError, WorkdirError, fedmuscle_runner.NonFiniteError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
