@@ -12,17 +12,16 @@ import pytest
 from fedjax_mm import core, data, losses, models
 from fedjax_mm.algorithms import fedmuscle
 
-ENCODERS = ("cnn_s", "vit_t", "cnn_s", "transformer_t")
+ENCODERS = ("cnn_s", "vit_t", "transformer_t")
 TASKS = (
   core.Task("multilabel", "image", "multilabel", 10),
   core.Task("classification", "image", "label10", 10),
-  core.Task("classification", "image", "label100", 100),
   core.Task("classification", "caption", "caption_label", 10),
 )
 
 
 @functools.cache
-def _setup(num_users=4, local_epochs=1, tx_name="adamw"):
+def _setup(num_users=3, local_epochs=1, tx_name="adamw"):
   world = data.generate(0, 12 * num_users)
   public = data.generate(1, 8, shift=data.PUBLIC_SHIFT)
   public = {"image": public["image"], "caption": public["caption"]}
@@ -50,7 +49,7 @@ def _setup(num_users=4, local_epochs=1, tx_name="adamw"):
   return tuple(groups), tuple(states), tuple(datas), jax.tree.map(jnp.asarray, public)
 
 
-def _run(config, num_users=4, local_epochs=1, tx_name="adamw", rounds=1):
+def _run(config, num_users=3, local_epochs=1, tx_name="adamw", rounds=1):
   groups, states, datas, public = _setup(num_users, local_epochs, tx_name)
   alg = fedmuscle.fedmuscle(groups, config)
   state = alg.init(states, jax.random.key(3))
@@ -123,7 +122,7 @@ def test_each_encoder_runs_once_per_batch_and_the_round_traces_once():
     calls.append(group.name)
     return group.merge(params, shared).represent(inputs)
 
-  config = fedmuscle.MuscleConfig(num_partners=3, batch_size=4)
+  config = fedmuscle.MuscleConfig(num_partners=2, batch_size=4)
   alg = fedmuscle.fedmuscle(groups, config, represent_fns=[counting] * len(groups))
   round_fn = jax.jit(chex.assert_max_traces(alg.round, n=1))
   state = alg.init(states, jax.random.key(0))
@@ -162,10 +161,26 @@ def test_config_validation(kwargs, message):
     fedmuscle.MuscleConfig(**kwargs).validate(num_users=4)
 
 
-def test_pairwise_and_gramian_run():
-  for loss in ("pairwise", "gramian"):
-    _, _, state, stats = _run(fedmuscle.MuscleConfig(num_partners=2, batch_size=4, loss=loss))
-    assert np.isfinite(np.asarray(stats["cl_loss"])).all()
+@pytest.mark.parametrize("loss", ["muscle", "pairwise", "gramian"])
+def test_user_gradients_equal_direct_computation(loss):
+  rng = np.random.default_rng(0)
+  z = rng.normal(size=(5, 4, 6)).astype(np.float32)
+  z = jnp.asarray(z / np.linalg.norm(z, axis=-1, keepdims=True))
+  partners = fedmuscle.draw_partners(jax.random.key(0), jnp.ones(5, bool), 2)
+  config = fedmuscle.MuscleConfig(num_partners=2, batch_size=4, loss=loss)
+  value, grad = jax.jit(fedmuscle.user_gradients, static_argnums=0)(config, z, partners)
+  direct = {
+    "muscle": lambda a, o: losses.muscle_loss(a, o, tau=0.2, gamma=config.gamma),
+    "pairwise": lambda a, o: losses.pairwise_info_nce(a, o, tau=0.2),
+    "gramian": lambda a, o: losses.gramian_loss(a, o, tau=0.2),
+  }[loss]
+  for n in range(5):
+    others = z[np.asarray(partners[n])]
+    expected_value, expected_grad = jax.value_and_grad(
+      lambda a, others=others: direct(a, others).mean()
+    )(z[n])
+    np.testing.assert_allclose(value[n], expected_value, rtol=1e-5)
+    np.testing.assert_allclose(grad[n], expected_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_downlink_shapes():
