@@ -97,6 +97,8 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path):
   assert "resumed at round" in out
   resumed = json.loads((tmp_path / "run" / "results.json").read_text())
   assert resumed["fedmuscle"] == reference["fedmuscle"] and resumed["local"] == reference["local"]
+  assert resumed["traffic_total"] == reference["traffic_total"]  # The ledger survived the kill.
+  assert reference["traffic_total"]["up"] == 3 * 4 * reference["traffic_per_round"]["up"]
   rounds = [
     json.loads(line)["round"]
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

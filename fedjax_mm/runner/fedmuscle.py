@@ -251,6 +251,8 @@ def run(
   num_batches = config.public.size // mc.batch_size
   traffic = _bytes_per_round(config, num_batches)
   ledger = ledger_lib.Ledger.zeros(len(users))
+  if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
+    ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata()["ledger"])
   bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
   for r in bar:
     results = {}
@@ -282,7 +284,7 @@ def run(
     ledger = ledger.add(
       up=up, down=np.full(len(users), traffic[f"down_{mc.downlink}"]), round=r + 1
     )
-    checkpointer.save(r + 1, state, metadata={"round": r + 1, "delta": delta})
+    checkpointer.save(r + 1, state, metadata={"round": r + 1, "delta": delta, "ledger": ledger})
     if hasattr(bar, "set_postfix"):
       bar.set_postfix(delta=f"{100 * delta:+.1f}%")
   checkpointer.wait()
@@ -291,10 +293,9 @@ def run(
     w.close()
 
   final = {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
-  result = _report(
-    config, workdir, users, groups, final, history, traffic, time.time() - started, start_round
-  )
-  return result
+  totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
+  wall = time.time() - started
+  return _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round)
 
 
 def _progress(iterable, start, total, enabled):
@@ -331,7 +332,7 @@ def _load_history(workdir, users, start_round):
   return history
 
 
-def _report(config, workdir, users, groups, final, history, traffic, wall, start_round):
+def _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round):
   fmt = report_lib.format_table
   rows = []
   for u, g in zip(users, groups, strict=True):
@@ -360,6 +361,10 @@ def _report(config, workdir, users, groups, final, history, traffic, wall, start
       ["down, factored (Z^m/tau, -gamma G)", mb(traffic["down_factored"])],
       ["down, paper (S^n, alpha^n)", mb(traffic["down_paper"])],
       ["paper / factored", f"{traffic['down_paper'] / traffic['down_factored']:,.0f}x"],
+      [
+        f"all users, all rounds, up / down ({config.muscle.downlink})",
+        f"{mb(totals['up'])} / {mb(totals['down'])}",
+      ],
     ],
   )
   summary = (
@@ -398,6 +403,7 @@ def _report(config, workdir, users, groups, final, history, traffic, wall, start
     "fedmuscle": final["fedmuscle"],
     "local": final["local"],
     "traffic_per_round": traffic,
+    "traffic_total": totals,
     "rounds": config.rounds,
     "wall_time_s": wall,
   }
