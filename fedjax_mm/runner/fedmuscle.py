@@ -38,7 +38,7 @@ from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.workdir import prepare_workdir
-from fedjax_mm.runner.writers import MetricWriter
+from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 #: Task name -> (kind, input key, target key, outputs, head).
 TASKS: dict[str, tuple[str, str, str, int, str]] = {
@@ -254,6 +254,7 @@ def run(
   if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
     ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata()["ledger"])
   bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
+  results = None
   for r in bar:
     results = {}
     for name in algs:
@@ -292,7 +293,8 @@ def run(
   for w in writers.values():
     w.close()
 
-  final = {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
+  # The last round's evaluation is final; only a run resumed after its last round evaluates anew.
+  final = results or {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
   totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
   wall = time.time() - started
   return _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round)
@@ -314,8 +316,6 @@ def _user_metrics(per_group: Sequence[Mapping[str, jax.Array]], groups) -> list[
 
 def _load_history(workdir, users, start_round):
   """Curves of the rounds before a resume, read back from metrics.jsonl."""
-  from fedjax_mm.runner.writers import read_metrics
-
   history = {name: [[] for _ in users] for name in METHODS} | {"delta": []}
   if not start_round:
     return history
