@@ -14,6 +14,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from fedjax_mm.runner import fedmuscle as fedmuscle_runner
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError
 from fedjax_mm.runner.workdir import WorkdirError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -38,7 +39,7 @@ def main(argv):
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   try:
     RUNNERS[name](_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
-  except (fedmuscle_runner.ConfigError, WorkdirError, fedmuscle_runner.NonFiniteError) as e:
+  except (ConfigError, WorkdirError, NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 

@@ -37,6 +37,7 @@ from fedjax_mm.algorithms import fedmuscle, local_training
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError
 from fedjax_mm.runner.workdir import prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -49,14 +50,6 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 METHODS = ("fedmuscle", "local")
-
-
-class ConfigError(ValueError):
-  """An impossible configuration, reported in one line before any work."""
-
-
-class NonFiniteError(RuntimeError):
-  """A client update produced NaN or Inf."""
 
 
 @dataclasses.dataclass(frozen=True)
