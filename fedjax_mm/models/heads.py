@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from fedjax_mm.models.conv import Conv
+
 __all__ = ["LinearHead", "MlpHead", "SegmentationHead"]
 
 
@@ -71,9 +73,9 @@ class SegmentationHead(nnx.Module):
     hidden: int = 64,
     rngs: nnx.Rngs,
   ):
-    self.conv = nnx.Conv(in_features, hidden, (3, 3), use_bias=False, rngs=rngs)
+    self.conv = Conv(in_features, hidden, (3, 3), use_bias=False, rngs=rngs)
     self.norm = nnx.GroupNorm(hidden, num_groups=8 if hidden % 8 == 0 else 1, rngs=rngs)
-    self.classify = nnx.Conv(hidden, num_outputs, (1, 1), rngs=rngs)
+    self.classify = Conv(hidden, num_outputs, (1, 1), rngs=rngs)
 
   def __call__(self, feature_map: jax.Array, out_size: tuple[int, int]) -> jax.Array:
     """Per-pixel logits.

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
+from fedjax_mm.models.conv import Conv
 from fedjax_mm.models.layers import TransformerBlock
 
 __all__ = [
@@ -71,7 +72,7 @@ class ConvNormAct(nnx.Module):
   """conv3x3 (optionally stride 2) -> GroupNorm -> optional ReLU."""
 
   def __init__(self, cin: int, cout: int, *, stride: int = 1, act: bool = True, rngs: nnx.Rngs):
-    self.conv = nnx.Conv(cin, cout, (3, 3), strides=stride, use_bias=False, rngs=rngs)
+    self.conv = Conv(cin, cout, (3, 3), strides=stride, use_bias=False, rngs=rngs)
     self.norm = nnx.GroupNorm(cout, num_groups=_GROUPS, rngs=rngs)
     self.act = act
 
@@ -117,7 +118,7 @@ class BasicBlock(nnx.Module):
     self.conv2 = ConvNormAct(cout, cout, act=False, rngs=rngs)
     if stride != 1 or cin != cout:
       self.shortcut = nnx.Sequential(
-        nnx.Conv(cin, cout, (1, 1), strides=stride, use_bias=False, rngs=rngs),
+        Conv(cin, cout, (1, 1), strides=stride, use_bias=False, rngs=rngs),
         nnx.GroupNorm(cout, num_groups=_GROUPS, rngs=rngs),
       )
     else:

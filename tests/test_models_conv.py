@@ -1,0 +1,66 @@
+"""The im2col convolution equals XLA's, and vmapping it over kernels equals a loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fedjax_mm.models import conv
+
+
+def _xla(x, kernel, stride):
+  return jax.lax.conv_general_dilated(
+    x, kernel, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+
+
+@pytest.mark.parametrize(
+  "size,kernel,stride",
+  [(8, 3, 1), (8, 3, 2), (7, 3, 2), (9, 1, 2), (6, 1, 1), (5, 5, 2), (6, 2, 2)],
+)
+def test_im2col_equals_xla_conv_and_its_gradients(size, kernel, stride, x64):
+  rng = np.random.default_rng(size * 100 + kernel * 10 + stride)
+  x = jnp.asarray(rng.normal(size=(2, size, size + 1, 3)))
+  w = jnp.asarray(rng.normal(size=(kernel, kernel, 3, 4)))
+  out = conv.conv2d(x, w, stride=stride)
+  want = _xla(x, w, stride)
+  assert out.shape == want.shape
+  np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+  probe = jnp.asarray(rng.normal(size=want.shape))
+  grads = jax.grad(lambda x, w: jnp.sum(probe * conv.conv2d(x, w, stride=stride)), (0, 1))(x, w)
+  want_grads = jax.grad(lambda x, w: jnp.sum(probe * _xla(x, w, stride)), (0, 1))(x, w)
+  for g, h in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, h, rtol=1e-12, atol=1e-12)
+
+
+def test_vmap_over_kernels_equals_loop(x64):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(5, 2, 8, 8, 3)))
+  w = jnp.asarray(rng.normal(size=(5, 3, 3, 3, 4)))
+  loss = lambda w, x: jnp.sum(jnp.sin(conv.conv2d(x, w, stride=2)))
+  batched = jax.vmap(jax.value_and_grad(loss))(w, x)
+  for k in range(5):
+    single = jax.value_and_grad(loss)(w[k], x[k])
+    np.testing.assert_allclose(batched[0][k], single[0], rtol=1e-12)
+    np.testing.assert_allclose(batched[1][k], single[1], rtol=1e-12)
+
+
+def test_module_matches_nnx_conv_parameters_and_output():
+  ours = conv.Conv(3, 8, (3, 3), strides=2, rngs=nnx.Rngs(0))
+  theirs = nnx.Conv(3, 8, (3, 3), strides=2, rngs=nnx.Rngs(0))
+  ours_state, theirs_state = nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param)
+  assert jax.tree.map(jnp.shape, ours_state) == jax.tree.map(jnp.shape, theirs_state)
+  nnx.update(ours, theirs_state)  # nnx.Conv's checkpoint loads into ours as is.
+  x = jnp.asarray(np.random.default_rng(1).uniform(size=(2, 9, 9, 3)), jnp.float32)
+  np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+  xla = conv.Conv(3, 8, (3, 3), strides=2, impl="xla", rngs=nnx.Rngs(0))
+  nnx.update(xla, theirs_state)
+  np.testing.assert_allclose(xla(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_is_a_clear_error():
+  with pytest.raises(ValueError, match="impl must be one of"):
+    conv.Conv(3, 4, (3, 3), impl="winograd", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="kernel expects 3 input channels"):
+    conv.conv2d(jnp.zeros((1, 4, 4, 2)), jnp.zeros((3, 3, 3, 4)))
