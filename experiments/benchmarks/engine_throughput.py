@@ -4,14 +4,20 @@
 
 N clients of a small CNN (``cnn_s``, d=64, linear 10-class head) on the embedded
 world, each with ``steps * batch`` samples, so one local epoch is ``steps``
-minibatch steps. Both contenders run the same single-client function
+minibatch steps. Every contender runs the same single-client function
 (:func:`fedjax_mm.core.local_update`), jitted, after a warm-up call:
 
-* vmapped: ``core.train_group`` — one call for all N clients;
+* vmapped: ``core.train_group``, one call for all N clients;
 * loop:    the jitted single-client update called once per client from Python.
 
-It prints client-steps per second for both and their ratio. Timing is the
-median of ``--repeats`` runs (each run is a full round of N clients).
+Both are timed with the zoo's convolution (``models.conv``: im2col, the
+default) and again with XLA's native convolution, which ``vmap`` turns into a
+grouped convolution (vmapped only for N <= ``--xla_limit``; loops are timed on
+at most ``--loop_limit`` clients and scaled). It prints client-steps per
+second, the compute rate each contender reaches (XLA's FLOP count of the
+round over its time) next to a dense float32 matmul measured in the same run,
+and the ratios. Timing is the median of ``--repeats`` runs (each a full round
+of N clients).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import optax
 from absl import app, flags
 
 from fedjax_mm import core, data, models
+from fedjax_mm.models.conv import Conv
 
 _CLIENTS = flags.DEFINE_list("clients", ["8", "64", "512"], "Client counts N.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client.")
@@ -32,6 +39,9 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per cell (median).")
 _LOOP_LIMIT = flags.DEFINE_integer(
   "loop_limit", 64, "Time the loop on at most this many clients and scale."
+)
+_XLA_LIMIT = flags.DEFINE_integer(
+  "xla_limit", 64, "Time the vmapped native-convolution round up to this N."
 )
 
 TASK = core.Task("classification", "image", "label10", 10)
@@ -47,27 +57,43 @@ def _median_time(fn, repeats):
   return statistics.median(times)
 
 
-def _cell(num_clients, steps, batch):
-  """Client-steps per second of the vmapped round and of the loop."""
-  per_client = steps * batch
-  world = data.generate(0, num_clients * per_client)
-  parts = np.split(np.arange(num_clients * per_client), num_clients)
-  stacked, mask = data.stack_clients(data.split_clients(world, parts))
-  client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
-  group, state = core.init_group(
-    lambda rngs: models.build(
-      {"encoder": "cnn_s", "head": "linear", "num_outputs": 10, "rep_dim": 64}, rngs=rngs
-    ),
-    name="cnn_s",
-    tx=optax.adam(1e-3),
-    task=TASK,
-    key=jax.random.key(0),
-    num_clients=num_clients,
-    batch_size=batch,
-  )
-  vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
-  vmapped_s = _median_time(lambda: vmapped(state, client_data), _REPEATS.value)
+def _flops(jitted, *args):
+  cost = jitted.lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", float("nan")))
 
+
+def _matmul_gflops(repeats):
+  a = jax.random.normal(jax.random.key(0), (1024, 1024))
+  mm = jax.jit(lambda a: a @ a)
+  seconds = _median_time(lambda: [mm(a) for _ in range(10)][-1], repeats) / 10
+  return 2 * 1024**3 / seconds / 1e9
+
+
+def _model(conv_impl):
+  def make(rngs):
+    model = models.build(
+      {"encoder": "cnn_s", "head": "linear", "num_outputs": 10, "rep_dim": 64}, rngs=rngs
+    )
+    for _, module in model.iter_modules():
+      if isinstance(module, Conv):
+        module.impl = conv_impl
+    return model
+
+  return make
+
+
+def _vmapped(impl, num_clients, client_data, batch):
+  """(seconds, FLOPs) of one vmapped round."""
+  group, state = _group(impl, num_clients, batch)
+  vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
+  seconds = _median_time(lambda: vmapped(state, client_data), _REPEATS.value)
+  return seconds, _flops(vmapped, state, client_data)
+
+
+def _loop(impl, num_clients, client_data, batch):
+  """(seconds, FLOPs) of the Python loop over the jitted single-client update."""
+  group, state = _group(impl, num_clients, batch)
   objective = core.supervised_objective(group, state.shared)
   single = jax.jit(
     lambda p, o, r, a, m: core.local_update(
@@ -77,31 +103,79 @@ def _cell(num_clients, steps, batch):
   looped = min(num_clients, _LOOP_LIMIT.value)
   per = (state.params, state.opt_state, state.rng, client_data.arrays, client_data.sample_mask)
   clients = [jax.tree.map(lambda x, k=k: x[k], per) for k in range(looped)]
-  loop_s = (
-    _median_time(lambda: [single(*c) for c in clients], _REPEATS.value) * num_clients / looped
+  seconds = _median_time(lambda: [single(*c) for c in clients], _REPEATS.value)
+  return seconds * num_clients / looped, _flops(single, *clients[0]) * num_clients, looped
+
+
+def _group(impl, num_clients, batch):
+  return core.init_group(
+    _model(impl),
+    name=f"cnn_s/{impl}",
+    tx=optax.adam(1e-3),
+    task=TASK,
+    key=jax.random.key(0),
+    num_clients=num_clients,
+    batch_size=batch,
   )
-  return num_clients * steps / vmapped_s, num_clients * steps / loop_s, looped
+
+
+def _cell(num_clients, steps, batch):
+  """{contender: (seconds per round, FLOPs per round)} and the clients looped over."""
+  per_client = steps * batch
+  world = data.generate(0, num_clients * per_client)
+  parts = np.split(np.arange(num_clients * per_client), num_clients)
+  stacked, mask = data.stack_clients(data.split_clients(world, parts))
+  client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
+  out = {"vmapped/im2col": _vmapped("im2col", num_clients, client_data, batch)}
+  *out["loop/im2col"], looped = _loop("im2col", num_clients, client_data, batch)
+  *out["loop/xla"], _ = _loop("xla", num_clients, client_data, batch)
+  if num_clients <= _XLA_LIMIT.value:
+    out["vmapped/xla"] = _vmapped("xla", num_clients, client_data, batch)
+  return out, looped
 
 
 def main(argv):
   del argv
   steps, batch = _STEPS.value, _BATCH.value
+  device = jax.devices()[0]
+  peak = _matmul_gflops(_REPEATS.value)
   print(
-    f"cnn_s clients, {steps} local steps of batch {batch}, device={jax.devices()[0].device_kind} x{jax.device_count()}"
+    f"cnn_s clients, {steps} local steps of batch {batch}, "
+    f"device={device.device_kind} x{jax.device_count()}; "
+    f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s"
   )
-  header = f"{'N':>6} | {'vmapped steps/s':>15} | {'loop steps/s':>13} | {'ratio':>6}"
+  print("client-steps/s (GFLOP/s in brackets); ratio = vmapped / loop of the same step")
+  cols = ("vmapped", "loop", "ratio", "vmapped, xla conv", "loop, xla conv", "ratio")
+  header = f"{'N':>5} | " + " | ".join(f"{c:>18}" for c in cols)
   print(header)
   print("-" * len(header))
-  ratios = {}
+  summary = None
   for num_clients in map(int, _CLIENTS.value):
-    vmapped_rate, loop_rate, looped = _cell(num_clients, steps, batch)
-    ratios[num_clients] = vmapped_rate / loop_rate
-    scaled = "" if looped == num_clients else f"  (loop timed on {looped} clients, scaled)"
+    cell, looped = _cell(num_clients, steps, batch)
+
+    def rate(name, cell=cell, n=num_clients):
+      if name not in cell:
+        return f"{'-':>18}"
+      seconds, flops = cell[name]
+      return f"{n * steps / seconds:>9.1f} ({flops / seconds / 1e9:>5.1f})"
+
+    def ratio(a, b, cell=cell):
+      return f"{cell[b][0] / cell[a][0]:>17.2f}x" if a in cell else f"{'-':>18}"
+
+    scaled = "" if looped == num_clients else f"  (loops timed on {looped}, scaled)"
     print(
-      f"{num_clients:>6} | {vmapped_rate:>15.1f} | {loop_rate:>13.1f} | {ratios[num_clients]:>5.1f}x{scaled}"
+      f"{num_clients:>5} | {rate('vmapped/im2col')} | {rate('loop/im2col')} | "
+      f"{ratio('vmapped/im2col', 'loop/im2col')} | {rate('vmapped/xla')} | "
+      f"{rate('loop/xla')} | {ratio('vmapped/xla', 'loop/xla')}{scaled}"
     )
-  if 64 in ratios:
-    print(f"vmapped / loop at N=64: {ratios[64]:.1f}x")
+    if num_clients == 64:
+      summary = (
+        f"N=64: vmapped / loop = {ratio('vmapped/im2col', 'loop/im2col').strip()}; "
+        f"vmapped / fastest loop = "
+        f"{min(cell['loop/im2col'][0], cell['loop/xla'][0]) / cell['vmapped/im2col'][0]:.2f}x"
+      )
+  if summary:
+    print(summary)
 
 
 if __name__ == "__main__":
