@@ -108,3 +108,11 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path):
   # A different config in the same workdir is refused, and nothing is touched.
   code, _, err = _main(tmp_path / "run", "--config.rounds=5")
   assert code == 2 and "rounds: 4 != 5" in err and "--overwrite" in err
+
+
+def test_delta_leaves_out_users_whose_local_metric_is_zero():
+  value, excluded = runner._delta([0.6, 0.3, 0.5], [0.5, 0.0, 0.25])
+  assert excluded == [1]
+  assert value == pytest.approx(((0.6 - 0.5) / 0.5 + (0.5 - 0.25) / 0.25) / 2)
+  value, excluded = runner._delta([0.6, 0.3], [0.0, 0.0])
+  assert excluded == [0, 1] and value != value  # NaN: no user has a defined gain.

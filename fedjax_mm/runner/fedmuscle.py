@@ -268,7 +268,7 @@ def run(
           f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(np.asarray(out["cl_loss"]))
         }
       writers[name].write(r + 1, scalars)
-    delta = float(metrics.delta(jnp.asarray(results["fedmuscle"]), jnp.asarray(results["local"])))
+    delta, _ = _delta(results["fedmuscle"], results["local"])
     writers["fedmuscle"].write(r + 1, {"delta": delta})
     for name in algs:
       for i, v in enumerate(results[name]):
@@ -291,6 +291,22 @@ def run(
   totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
   wall = time.time() - started
   return _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round)
+
+
+def _delta(alg: Sequence[float], local: Sequence[float]) -> tuple[float, list[int]]:
+  """Delta over the users whose local metric is nonzero, and the excluded users.
+
+  A user whose locally trained model scores exactly 0 (e.g. a multi-label model
+  that predicts no positive yet, micro-F1 = 0) has no relative gain; Delta is
+  the mean over the others, and the report names the excluded users. With no
+  user left Delta is NaN.
+  """
+  local = np.asarray(local, float)
+  defined = local > 0
+  if not defined.any():
+    return math.nan, list(range(len(local)))
+  value = metrics.delta(jnp.asarray(alg), jnp.asarray(local), where=jnp.asarray(defined))
+  return float(value), [int(i) for i in np.flatnonzero(~defined)]
 
 
 def _progress(iterable, start, total, enabled):
@@ -342,7 +358,7 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
         report_lib.percent(gain),
       ]
     )
-  delta = float(metrics.delta(jnp.asarray(final["fedmuscle"]), jnp.asarray(final["local"])))
+  delta, excluded = _delta(final["fedmuscle"], final["local"])
   table = fmt(
     ["user", "model", "task", "metric", f"FedMuscle ({config.muscle.loss})", "local", "gain"], rows
   )
@@ -366,6 +382,12 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
     f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, downlink={config.muscle.downlink}); "
     f"wall time {wall:.0f} s" + (f" (resumed at round {start_round})" if start_round else "")
   )
+  if excluded:
+    names = ", ".join(users[i].name for i in excluded)
+    summary += (
+      f". Delta is over {len(users) - len(excluded)} of {len(users)} users: the local metric of "
+      f"{names} is 0, so its relative gain is undefined"
+    )
   report_lib.write_report(
     workdir / "report.md",
     title="FedMuscle vs local training",
@@ -393,6 +415,7 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
   )
   result = {
     "delta": delta,
+    "delta_excluded_users": [users[i].name for i in excluded],
     "fedmuscle": final["fedmuscle"],
     "local": final["local"],
     "traffic_per_round": traffic,

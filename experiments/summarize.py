@@ -1,0 +1,94 @@
+r"""Mean ± standard deviation over seeds of finished runs.
+
+  python -m experiments.summarize runs/fedmuscle_* [--keys=delta] [--scale=100]
+
+Reads ``config.json`` and ``results.json`` of every workdir given, groups the
+runs by their config with ``seed`` left out (runs that differ only in the seed
+are one group; the group's label is the config keys that set it apart from the
+other groups), and prints one markdown row per group: the number of seeds and,
+for each key of ``results.json`` asked for, the mean ± sample standard
+deviation. A key may index into a list (``fedmuscle.0``: user 1's metric).
+Values are multiplied by ``--scale`` (100 turns fractions into percentages).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from fedjax_mm.runner import format_table, mean_std
+from fedjax_mm.runner.workdir import config_diff
+
+_KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (dotted paths).")
+_SCALE = flags.DEFINE_float("scale", 100.0, "Factor applied to every value before printing.")
+_DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
+
+
+def _lookup(results: dict, key: str) -> float:
+  value = results
+  for part in key.split("."):
+    value = value[int(part)] if isinstance(value, list) else value[part]
+  return float(value)
+
+
+def _get(config: dict, dotted: str):
+  value = config
+  for part in dotted.split("."):
+    value = value.get(part) if isinstance(value, dict) else None
+  return value
+
+
+def _without_seed(config: dict) -> dict:
+  return {k: v for k, v in config.items() if k != "seed"}
+
+
+def summarize(
+  workdirs: Sequence[str | pathlib.Path], keys: Sequence[str], *, scale: float, digits: int
+) -> str:
+  """The summary table of ``workdirs`` (see the module docstring)."""
+  runs = []
+  for workdir in map(pathlib.Path, workdirs):
+    results_path = workdir / "results.json"
+    if not results_path.exists():
+      raise FileNotFoundError(f"{workdir} has no results.json: the run has not finished.")
+    config = json.loads((workdir / "config.json").read_text())
+    runs.append((workdir, config, json.loads(results_path.read_text())))
+  if not runs:
+    raise ValueError("no workdirs given.")
+
+  groups: dict[str, list] = {}
+  for workdir, config, results in runs:
+    key = json.dumps(_without_seed(config), sort_keys=True)
+    groups.setdefault(key, []).append((workdir, config, results))
+  reference = _without_seed(runs[0][1])
+  varying = sorted(
+    {
+      line.split(":")[0]
+      for members in groups.values()
+      for line in config_diff(reference, _without_seed(members[0][1]))
+    }
+  )
+  rows = []
+  for members in groups.values():
+    config = members[0][1]
+    label = ", ".join(f"{k}={json.dumps(_get(config, k))}" for k in varying)
+    seeds = sorted(c.get("seed") for _, c, _ in members)
+    cells = [
+      mean_std([_lookup(results, k) for _, _, results in members], scale=scale, digits=digits)
+      for k in keys
+    ]
+    rows.append([label or "all runs", ",".join(map(str, seeds)), *cells])
+  return format_table(["config", "seeds", *keys], rows)
+
+
+def main(argv):
+  if len(argv) < 2:
+    raise app.UsageError("give one or more workdirs.")
+  print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,41 @@
+"""experiments.summarize groups runs by config (seed aside) and averages over seeds."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import summarize
+
+
+def _run(path, seed, loss, delta, users):
+  path.mkdir()
+  config = {"seed": seed, "rounds": 3, "muscle": {"loss": loss, "num_partners": 2}}
+  (path / "config.json").write_text(json.dumps(config))
+  (path / "results.json").write_text(json.dumps({"delta": delta, "fedmuscle": users}))
+  return path
+
+
+def test_groups_by_config_without_seed_and_reports_mean_and_sample_std(tmp_path):
+  dirs = [
+    _run(tmp_path / "a0", 0, "muscle", 0.10, [0.5, 0.6]),
+    _run(tmp_path / "a1", 1, "muscle", 0.20, [0.7, 0.6]),
+    _run(tmp_path / "b0", 0, "pairwise", -0.05, [0.4, 0.2]),
+  ]
+  table = summarize.summarize(dirs, ["delta", "fedmuscle.0"], scale=100, digits=2)
+  lines = table.splitlines()
+  muscle = next(line for line in lines if '"muscle"' in line)
+  pairwise = next(line for line in lines if '"pairwise"' in line)
+  std = np.std([10.0, 20.0], ddof=1)
+  assert "muscle.loss" in muscle and "0,1" in muscle
+  assert f"+15.00 ± {std:.2f}" in muscle and "+60.00 ± 14.14" in muscle
+  assert "-5.00" in pairwise and "±" not in pairwise
+  assert len([line for line in lines if line.startswith("| muscle")]) == 2
+
+
+def test_unfinished_run_is_a_clear_error(tmp_path):
+  path = tmp_path / "run"
+  path.mkdir()
+  (path / "config.json").write_text("{}")
+  with pytest.raises(FileNotFoundError, match="has no results.json"):
+    summarize.summarize([path], ["delta"], scale=100, digits=1)
