@@ -171,3 +171,24 @@ def test_argument_checks(tmp_path):
   writer.close()  # Idempotent.
   with pytest.raises(ValueError, match="closed"):
     writer.write(0, {"x": 1})
+
+
+def test_resuming_several_runs_keeps_every_runs_lines(tmp_path):
+  # Writers of two runs share metrics.jsonl; the second one's resume rewrites the file
+  # (atomic rename). The first writer must still reach the file on disk.
+  for run in ("a", "b"):
+    with MetricWriter(tmp_path, run, tensorboard=False) as w:
+      for r in (1, 2, 3):
+        w.write(r, {"x": r})
+  first = MetricWriter(tmp_path, "a", resume_round=2, tensorboard=False)
+  second = MetricWriter(tmp_path, "b", resume_round=2, tensorboard=False)
+  first.write(3, {"x": 30})
+  second.write(3, {"x": 31})
+  first.close()
+  second.close()
+  rows = read_metrics(tmp_path)
+  assert [(r["run"], r["round"], r["x"]) for r in rows if r["round"] == 3] == [
+    ("a", 3, 30),
+    ("b", 3, 31),
+  ]
+  assert len(rows) == 6

@@ -29,8 +29,10 @@ Values and their encoding:
 
 Crash safety and resume:
 
-* Every :meth:`MetricWriter.write` is one ``write`` of a whole line followed
-  by a flush to the OS, so a crash loses at most the line being written. A
+* Every :meth:`MetricWriter.write` appends one whole line through a handle
+  opened and closed for it, so a crash loses at most the line being written,
+  and several writers of one file (one per run) stay correct when another
+  writer's resume rewrites the file. A
   torn (unterminated, unparsable) last line left by such a crash is dropped
   when a writer opens the file, and skipped by :func:`read_metrics`.
 * A crashed run may have logged rounds past its last checkpoint. Open the
@@ -239,8 +241,9 @@ class MetricWriter:
     self.path = self.workdir / METRICS_FILE
     self.workdir.mkdir(parents=True, exist_ok=True)
     self._repair(resume_round)
-    # Line-buffered append; write() also flushes, so each round reaches the OS.
-    self._file = open(self.path, "a", encoding="utf-8")
+    # No handle is kept open: write() appends through a fresh one, so a writer
+    # made before another writer's repair (an atomic rename) still writes to
+    # the file on disk, not to the replaced inode.
     self._tb = self._open_tensorboard(resume_round) if tensorboard else None
     self._closed = False
 
@@ -319,8 +322,8 @@ class MetricWriter:
     record = {"round": round, "run": self.run}
     record.update({k: _json_value(v) for k, v in values.items()})
     # allow_nan=False: a non-finite value reaching here would be a bug, not a NaN token.
-    self._file.write(json.dumps(record, allow_nan=False) + "\n")
-    self._file.flush()
+    with open(self.path, "a", encoding="utf-8") as file:
+      file.write(json.dumps(record, allow_nan=False) + "\n")
     if self._tb is not None:
       for key, value in values.items():
         self._tb.add_scalar(key, value, global_step=round)
@@ -329,7 +332,6 @@ class MetricWriter:
     """Pushes buffered data to disk (JSON Lines to the OS, TensorBoard events to files)."""
     if self._closed:
       return
-    self._file.flush()
     if self._tb is not None:
       self._tb.flush()
 
@@ -338,7 +340,6 @@ class MetricWriter:
     if self._closed:
       return
     self._closed = True
-    self._file.close()
     if self._tb is not None:
       self._tb.close()
 
