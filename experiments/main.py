@@ -10,10 +10,12 @@ status 2, before any compilation.
 import pathlib
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from fedjax_mm.runner import fedmuscle as fedmuscle_runner
+from fedjax_mm.runner import fedscmr as fedscmr_runner
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -24,14 +26,25 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<c
 _OVERWRITE = flags.DEFINE_bool(
   "overwrite", False, "Move an existing workdir with another config aside."
 )
+_CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  str(pathlib.Path("~/.cache/fedjax_mm/xla").expanduser()),
+  "Folder of JAX's persistent compilation cache, so reruns, resumes and other seeds "
+  "skip compilation; empty to disable.",
+)
 
-RUNNERS = {"fedmuscle": fedmuscle_runner.run}
+RUNNERS = {
+  "fedmuscle": fedmuscle_runner.run,
+  "fedscmr": fedscmr_runner.run,
+}
 
 
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  if _CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   config_path = flags.FLAGS["config"].config_filename
   name = pathlib.Path(config_path.split(":")[0]).stem
   if name not in RUNNERS:

@@ -1,6 +1,7 @@
 r"""Mean ± standard deviation over seeds of finished runs.
 
   python -m experiments.summarize runs/fedmuscle_* [--keys=delta] [--scale=100]
+  python -m experiments.summarize --format=fedscmr runs/fedscmr_s*
 
 Reads ``config.json`` and ``results.json`` of every workdir given, groups the
 runs by their config with ``seed`` left out (runs that differ only in the seed
@@ -9,6 +10,10 @@ other groups), and prints one markdown row per group: the number of seeds and,
 for each key of ``results.json`` asked for, the mean ± sample standard
 deviation. A key may index into a list (``fedmuscle.0``: user 1's metric).
 Values are multiplied by ``--scale`` (100 turns fractions into percentages).
+
+``--format=fedscmr`` prints FedSCMR's ranking and its paper-style Tables 1-4
+instead, each cell the mean ± std over the runs
+(:func:`fedjax_mm.runner.fedscmr.summarize`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from fedjax_mm.runner.workdir import config_diff
 _KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (dotted paths).")
 _SCALE = flags.DEFINE_float("scale", 100.0, "Factor applied to every value before printing.")
 _DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
+_FORMAT = flags.DEFINE_enum(
+  "format", "generic", ["generic", "fedscmr"], "generic table, or FedSCMR's Tables 1-4."
+)
 
 
 def _lookup(results: dict, key: str) -> float:
@@ -87,6 +95,11 @@ def summarize(
 def main(argv):
   if len(argv) < 2:
     raise app.UsageError("give one or more workdirs.")
+  if _FORMAT.value == "fedscmr":
+    from fedjax_mm.runner import fedscmr  # Imports jax: only when asked for.
+
+    print(fedscmr.summarize(argv[1:]))
+    return
   print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
 
 

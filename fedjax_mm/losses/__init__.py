@@ -1,15 +1,29 @@
-"""Pure contrastive losses on representation matrices (import only ``jax``).
+"""Pure losses on representation matrices (import only ``jax``).
 
-Every loss takes L2-normalised representations, returns one value per anchor
-(the caller reduces) and works under ``jax.jit``, ``jax.vmap`` and
-``jax.grad``::
+Every loss works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``. The
+contrastive losses (InfoNCE, pairwise, Muscle, Gramian, CreamFL's) take
+L2-normalised representations and return one value per anchor (the caller
+reduces)::
 
   from fedjax_mm import losses
   per_anchor = losses.muscle_loss(z_n, z_others, tau=0.2, gamma=losses.muscle_gamma(0.2, 0.15))
   loss = per_anchor.mean()
+
+The supervised cross-modal retrieval terms of DSCMR / FedSCMR (`dscmr`) are
+batch-level (means over pairs, hinges of batch means) and return scalars.
 """
 
 from fedjax_mm.losses.contrastive import info_nce, pairwise_info_nce, symmetric_info_nce
+from fedjax_mm.losses.dscmr import (
+  consistency_loss,
+  cross_subspace_loss,
+  discrimination_loss,
+  dscmr_loss,
+  fedscmr_loss,
+  fedscmr_terms,
+  label_space_loss,
+  mean_distance,
+)
 from fedjax_mm.losses.gramian import gram_volumes, gramian_loss
 from fedjax_mm.losses.muscle import (
   DEFAULT_CHUNK_ELEMENTS,
@@ -26,10 +40,18 @@ from fedjax_mm.losses.muscle import (
 __all__ = [
   "DEFAULT_CHUNK_ELEMENTS",
   "MuscleTargets",
+  "consistency_loss",
+  "cross_subspace_loss",
   "default_chunk_size",
+  "discrimination_loss",
+  "dscmr_loss",
+  "fedscmr_loss",
+  "fedscmr_terms",
   "gram_volumes",
   "gramian_loss",
   "info_nce",
+  "label_space_loss",
+  "mean_distance",
   "muscle_client_loss",
   "muscle_gamma",
   "muscle_loss",
