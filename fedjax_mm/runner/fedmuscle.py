@@ -385,8 +385,8 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
   if excluded:
     names = ", ".join(users[i].name for i in excluded)
     summary += (
-      f". Delta is over {len(users) - len(excluded)} of {len(users)} users: the local metric of "
-      f"{names} is 0, so its relative gain is undefined"
+      f". Delta is over {len(users) - len(excluded)} of {len(users)} users: {names} scored 0 "
+      f"under local training (relative gain undefined)"
     )
   report_lib.write_report(
     workdir / "report.md",
