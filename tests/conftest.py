@@ -24,3 +24,9 @@ def x64():
     yield
   finally:
     jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture(scope="session")
+def main_cache(tmp_path_factory):
+  """JAX compilation cache shared by the ``experiments.main`` subprocesses of one session."""
+  return tmp_path_factory.mktemp("jax_cache")

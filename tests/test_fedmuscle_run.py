@@ -1,40 +1,17 @@
 """The FedMuscle command end to end: smoke run, validation, refusal, resume after SIGKILL."""
 
 import json
-import os
-import pathlib
 import signal
-import subprocess
-import sys
 import time
 
+import experiment_main
 import pytest
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner.writers import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _main(workdir, *overrides, wait=True):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = str(ROOT)
-  cmd = [
-    sys.executable,
-    "-m",
-    "experiments.main",
-    "--config=experiments/fedmuscle.py:smoke",
-    f"--workdir={workdir}",
-    *overrides,
-  ]
-  proc = subprocess.Popen(
-    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  )
-  if not wait:
-    return proc
-  out, err = proc.communicate(timeout=600)
-  return proc.returncode, out, err
+CONFIG = "experiments/fedmuscle.py:smoke"
 
 
 @pytest.mark.parametrize(
@@ -47,8 +24,8 @@ def _main(workdir, *overrides, wait=True):
     ("--config.public.modalities=('text',)", "needs image in the public set"),
   ],
 )
-def test_bad_config_is_one_line_and_exit_2(tmp_path, override, message):
-  code, _, err = _main(tmp_path / "run", override)
+def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, message):
+  code, _, err = experiment_main.run(CONFIG, tmp_path / "run", override, cache_dir=main_cache)
   assert code == 2, err[-2000:]
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and message in lines[0], err[-2000:]
@@ -66,9 +43,12 @@ def test_unknown_model_and_task_names():
     runner.validate(config)
 
 
-def test_smoke_run_resume_after_kill_and_refusal(tmp_path):
+def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):
+  def main(workdir, *overrides):
+    return experiment_main.run(CONFIG, workdir, *overrides, cache_dir=main_cache)
+
   # Uninterrupted reference.
-  code, out, err = _main(tmp_path / "ref", "--config.rounds=4")
+  code, out, err = main(tmp_path / "ref", "--config.rounds=4")
   assert code == 0, err[-3000:]
   assert "Delta =" in out and "| user 1" in out
   for name in (
@@ -84,7 +64,7 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path):
   reference = json.loads((tmp_path / "ref" / "results.json").read_text())
 
   # Killed mid-run (SIGKILL once round 2 is checkpointed), then resumed by the same command.
-  proc = _main(tmp_path / "run", "--config.rounds=4", wait=False)
+  proc = experiment_main.start(CONFIG, tmp_path / "run", "--config.rounds=4", cache_dir=main_cache)
   deadline = time.time() + 600
   while not (tmp_path / "run" / "checkpoints" / "2" / "_CHECKPOINT_METADATA").exists():
     assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -92,21 +72,19 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path):
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  code, out, err = _main(tmp_path / "run", "--config.rounds=4")
+  code, out, err = main(tmp_path / "run", "--config.rounds=4")
   assert code == 0, err[-3000:]
   assert "resumed at round" in out
   resumed = json.loads((tmp_path / "run" / "results.json").read_text())
   assert resumed["fedmuscle"] == reference["fedmuscle"] and resumed["local"] == reference["local"]
   assert resumed["traffic_total"] == reference["traffic_total"]  # The ledger survived the kill.
   assert reference["traffic_total"]["up"] == 3 * 4 * reference["traffic_per_round"]["up"]
-  rounds = [
-    json.loads(line)["round"]
-    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-  ]
-  assert sorted(set(rounds)) == [1, 2, 3, 4]
+  # Every run's metrics, before and after the kill, are those of the uninterrupted run, once each.
+  lines = lambda workdir: sorted(json.dumps(r, sort_keys=True) for r in read_metrics(workdir))
+  assert lines(tmp_path / "run") == lines(tmp_path / "ref")
 
   # A different config in the same workdir is refused, and nothing is touched.
-  code, _, err = _main(tmp_path / "run", "--config.rounds=5")
+  code, _, err = main(tmp_path / "run", "--config.rounds=5")
   assert code == 2 and "rounds: 4 != 5" in err and "--overwrite" in err
 
 

@@ -1,20 +1,15 @@
 """The FedSCMR command end to end: validation (exit 2), the smoke run, resume, refusal."""
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
+import experiment_main
 import jax
 import pytest
 
 from experiments import fedscmr as fedscmr_config
 from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner.workdir import WorkdirError
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -32,22 +27,17 @@ def compilation_cache(tmp_path):
       jax.config.update(name, value)
 
 
-def test_bad_config_is_one_line_and_exit_2(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = str(ROOT)
-  cmd = [
-    sys.executable,
-    "-m",
-    "experiments.main",
-    "--config=experiments/fedscmr.py:smoke",
-    f"--workdir={tmp_path / 'run'}",
+def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
+  code, _, err = experiment_main.run(
+    "experiments/fedscmr.py:smoke",
+    tmp_path / "run",
     "--config.fedscmr.gamma=-1",
-  ]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and "gamma must be >= 0" in lines[0], proc.stderr[-2000:]
+    cache_dir=main_cache,
+    timeout=300,
+  )
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "gamma must be >= 0" in lines[0], err[-2000:]
   assert not (tmp_path / "run").exists()  # Nothing was written.
 
 

@@ -1,0 +1,39 @@
+"""Runs ``python -m experiments.main`` in a subprocess, as a user would, for the end-to-end tests.
+
+The child gets the repository on its path, no fake-device XLA flags (the
+experiments run on the real CPU device), and a compilation cache shared by the
+test session, so runs of the same config in one session compile once.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def start(config: str, workdir, *overrides: str, cache_dir) -> subprocess.Popen:
+  """Starts the command; the caller waits on (or kills) the process."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = str(ROOT)
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.main",
+    f"--config={config}",
+    f"--workdir={workdir}",
+    f"--compilation_cache={cache_dir}",
+    *overrides,
+  ]
+  return subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+
+
+def run(config: str, workdir, *overrides: str, cache_dir, timeout: int = 600):
+  """Runs the command to completion: ``(exit code, stdout, stderr)``."""
+  proc = start(config, workdir, *overrides, cache_dir=cache_dir)
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
