@@ -377,17 +377,15 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
     ],
   )
   summary = (
-    f"Delta = {report_lib.percent(delta)} over {len(users)} users after {config.rounds} rounds "
+    f"Delta = {report_lib.percent(delta)} over {len(users) - len(excluded)} of {len(users)} users "
+    f"after {config.rounds} rounds "
     f"(M={config.muscle.num_partners}, B={config.muscle.batch_size}, T={config.muscle.cl_epochs}, "
     f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, downlink={config.muscle.downlink}); "
     f"wall time {wall:.0f} s" + (f" (resumed at round {start_round})" if start_round else "")
   )
   if excluded:
     names = ", ".join(users[i].name for i in excluded)
-    summary += (
-      f". Delta is over {len(users) - len(excluded)} of {len(users)} users: {names} scored 0 "
-      f"under local training (relative gain undefined)"
-    )
+    summary += f". Left out of Delta: {names}, which scored 0 under local training"
   report_lib.write_report(
     workdir / "report.md",
     title="FedMuscle vs local training",
