@@ -14,6 +14,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from fedjax_mm.runner import creamfl as creamfl_runner
 from fedjax_mm.runner import fedmuscle as fedmuscle_runner
 from fedjax_mm.runner import fedscmr as fedscmr_runner
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
@@ -34,6 +35,7 @@ _CACHE = flags.DEFINE_string(
 )
 
 RUNNERS = {
+  "creamfl": creamfl_runner.run,
   "fedmuscle": fedmuscle_runner.run,
   "fedscmr": fedscmr_runner.run,
 }

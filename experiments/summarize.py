@@ -2,6 +2,7 @@ r"""Mean ± standard deviation over seeds of finished runs.
 
   python -m experiments.summarize runs/fedmuscle_* [--keys=delta] [--scale=100]
   python -m experiments.summarize --format=fedscmr runs/fedscmr_s*
+  python -m experiments.summarize --format=creamfl runs/creamfl_s*
 
 Reads ``config.json`` and ``results.json`` of every workdir given, groups the
 runs by their config with ``seed`` left out (runs that differ only in the seed
@@ -12,8 +13,9 @@ deviation. A key may index into a list (``fedmuscle.0``: user 1's metric).
 Values are multiplied by ``--scale`` (100 turns fractions into percentages).
 
 ``--format=fedscmr`` prints FedSCMR's ranking and its paper-style Tables 1-4
-instead, each cell the mean ± std over the runs
-(:func:`fedjax_mm.runner.fedscmr.summarize`).
+instead, and ``--format=creamfl`` CreamFL's Recall@K table, each cell the mean
+± std over the runs (:func:`fedjax_mm.runner.fedscmr.summarize`,
+:func:`fedjax_mm.runner.creamfl.summarize`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ _KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (do
 _SCALE = flags.DEFINE_float("scale", 100.0, "Factor applied to every value before printing.")
 _DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
 _FORMAT = flags.DEFINE_enum(
-  "format", "generic", ["generic", "fedscmr"], "generic table, or FedSCMR's Tables 1-4."
+  "format",
+  "generic",
+  ["generic", "fedscmr", "creamfl"],
+  "generic table, FedSCMR's Tables 1-4, or CreamFL's Recall@K table.",
 )
 
 
@@ -95,10 +100,10 @@ def summarize(
 def main(argv):
   if len(argv) < 2:
     raise app.UsageError("give one or more workdirs.")
-  if _FORMAT.value == "fedscmr":
-    from fedjax_mm.runner import fedscmr  # Imports jax: only when asked for.
+  if _FORMAT.value != "generic":
+    import importlib  # The runners import jax: only when asked for.
 
-    print(fedscmr.summarize(argv[1:]))
+    print(importlib.import_module(f"fedjax_mm.runner.{_FORMAT.value}").summarize(argv[1:]))
     return
   print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
 

@@ -14,6 +14,11 @@ batch-level (means over pairs, hinges of batch means) and return scalars.
 """
 
 from fedjax_mm.losses.contrastive import info_nce, pairwise_info_nce, symmetric_info_nce
+from fedjax_mm.losses.creamfl import (
+  inter_modal_contrast,
+  intra_modal_contrast,
+  representation_distance,
+)
 from fedjax_mm.losses.dscmr import (
   consistency_loss,
   cross_subspace_loss,
@@ -50,6 +55,8 @@ __all__ = [
   "gram_volumes",
   "gramian_loss",
   "info_nce",
+  "inter_modal_contrast",
+  "intra_modal_contrast",
   "label_space_loss",
   "mean_distance",
   "muscle_client_loss",
@@ -59,5 +66,6 @@ __all__ = [
   "muscle_paper_targets",
   "muscle_server_targets",
   "pairwise_info_nce",
+  "representation_distance",
   "symmetric_info_nce",
 ]

@@ -1,0 +1,763 @@
+r"""CreamFL: a larger server model learnt from heterogeneous uni- and multimodal clients.
+
+Paper: ``creamfl.txt`` (Yu et al., 2023) — Sections 3-4, Algorithm 1, eqs. (1)-(7);
+and FedMuscle's Appendix K (``fedmuscle_muscle_loss.txt``) for CreamFL + Muscle.
+
+Three client groups share nothing but a public set of ``P`` image-caption pairs:
+image-only clients (image classification), text-only clients (caption
+classification) and multimodal clients (image-text retrieval), each with a
+small encoder. The server's image and text encoders are larger. Every model
+maps its modality to L2-normalised ``d``-dimensional representations. One round,
+in the reference implementation's order:
+
+1. **server training**: the server trains one epoch on the public set with its
+   retrieval loss (symmetric InfoNCE; the reference uses PCME);
+2. a random fraction of the clients takes part (``num_selected`` of all);
+3. the server computes its **global representations** ``I_glob``, ``T_glob``
+   ``[P, d]`` of the public set and sends them to the selected clients;
+4. each selected client trains ``E`` epochs on its **private task**, then one
+   pass over the public set with the **regulariser** weighted by ``gamma``
+   (eq. (3)): the inter-modal contrast (eq. (1),
+   :func:`fedjax_mm.losses.inter_modal_contrast`) and the intra-modal contrast
+   (eq. (2), :func:`fedjax_mm.losses.intra_modal_contrast`), whose negative is
+   the client's own model at the START of the round;
+5. each selected client sends its **local representations** of the public
+   set, in the modalities it has;
+6. the server **aggregates** them per modality: GCA (eqs. (4)-(6),
+   :func:`fedjax_mm.server.gca.gca`), or the baselines' client weights;
+7. the server **distils**: one epoch minimising the l2 distance between its
+   representations and the aggregated ones (eq. (7),
+   :func:`fedjax_mm.losses.representation_distance`).
+
+**CreamFL + Muscle** (FedMuscle App. K) replaces step 4's regulariser with the
+Muscle loss of each local representation against the global representations of
+BOTH modalities (``M = 2``), and steps 6-7 with the Muscle loss of the server's
+representations (anchors, one per modality) against ``M`` local representation
+matrices drawn per batch among all those received (all of them would make the
+``B^(M+1)`` tensor intractable; FedMuscle draws partners the same way).
+
+Which variant runs is a runtime :class:`Variant` (the aggregation rule, picked
+by ``jax.lax.switch``, and 0/1 weights of the regulariser terms and server
+losses), so every federated row of CreamFL's Tables 1 and 3 shares ONE compiled
+round; the clients' public pass sits under a ``jax.lax.cond`` and costs nothing
+for the reamFL rows. :func:`server_only` is the "local training"
+row: step 1 alone.
+
+Clients of a group are stacked ``[K, ...]`` and trained in one ``jax.vmap`` of
+:func:`fedjax_mm.core.local_update` (private task via
+:func:`fedjax_mm.core.train_group`; the public-set regulariser pass likewise,
+with an objective that closes over the start-of-round parameters). Clients not
+selected are masked: they take no step and weigh 0 in every aggregate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from fedjax_mm import losses, models
+from fedjax_mm.algorithms.base import Algorithm
+from fedjax_mm.core.client import (
+  ClientData,
+  ClientState,
+  GroupDef,
+  apply_in_batches,
+  local_update,
+  supervised_objective,
+  train_group,
+)
+from fedjax_mm.core.sharding import replicate
+from fedjax_mm.core.tasks import masked_mean
+from fedjax_mm.server import aggregate, gca
+
+Array = jax.Array
+PyTree = Any
+
+MODALITIES = ("image", "text")
+AGGREGATIONS = ("mean", "avg", "iot", "gca")
+REGULARISERS = ("none", "lcr", "muscle")
+SERVER_OBJECTIVES = ("distill", "muscle")
+
+
+def _other(modality: str) -> str:
+  return "text" if modality == "image" else "image"
+
+
+# ----------------------------------------------------------------------------
+# Models
+
+
+class DualEncoder(nnx.Module):
+  """An image tower and a text tower, each encoder + projector to ``d``, L2-normalised.
+
+  The multimodal clients' model (small encoders) and the server's (larger ones).
+
+  Args:
+    image_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (image).
+    text_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (text).
+    rep_dim: ``d``.
+    image_size: side of the square images.
+    vocab_size: token ids of the text encoder.
+    max_len: caption length.
+    rngs: random streams.
+  """
+
+  def __init__(
+    self,
+    image_encoder: str,
+    text_encoder: str,
+    *,
+    rep_dim: int,
+    image_size: int,
+    vocab_size: int,
+    max_len: int,
+    rngs: nnx.Rngs,
+  ):
+    if models.ENCODERS[image_encoder][0] != "image":
+      raise ValueError(f"{image_encoder!r} is not an image encoder.")
+    if models.ENCODERS[text_encoder][0] != "text":
+      raise ValueError(f"{text_encoder!r} is not a text encoder.")
+    self.image_encoder = models.build_encoder(image_encoder, rngs=rngs, image_size=image_size)
+    self.image_projector = nnx.Linear(self.image_encoder.features, rep_dim, rngs=rngs)
+    self.text_encoder = models.build_encoder(
+      text_encoder, rngs=rngs, vocab_size=vocab_size, max_len=max_len
+    )
+    self.text_projector = nnx.Linear(self.text_encoder.features, rep_dim, rngs=rngs)
+
+  def represent(self, x: Array, modality: str) -> Array:
+    """``[b, d]`` representations of images ``[b, S, S, 3]`` or captions ``[b, L]``."""
+    if modality == "image":
+      pooled, _ = self.image_encoder(x)
+      return models.l2_normalize(self.image_projector(pooled))
+    pooled, _ = self.text_encoder(x)
+    return models.l2_normalize(self.text_projector(pooled))
+
+
+def represent(model: nnx.Module, modality: str, x: Array) -> Array:
+  """Representations of ``x`` by a :class:`DualEncoder` or a single-modality ``UserModel``."""
+  if isinstance(model, DualEncoder):
+    return model.represent(x, modality)
+  return model.represent(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalTask:
+  """The multimodal clients' private task: image-caption retrieval (symmetric InfoNCE).
+
+  Stands in for :class:`fedjax_mm.core.Task` in a :class:`GroupDef` (only
+  ``modality`` and the objective below are used).
+  """
+
+  temperature: float = 0.1
+  kind: str = "retrieval"
+  modality: str = "multimodal"
+  metric_name: str = "R@1"
+
+
+def retrieval_objective(
+  model: nnx.Module, batch: dict[str, Array], mask: Array, key: Array, temperature: float
+) -> Array:
+  """Symmetric InfoNCE between images and one random caption each (masked mean)."""
+  captions = batch["caption"]
+  if captions.ndim == 3:  # [b, C, L]: pick one caption per sample
+    choice = jax.random.randint(key, (captions.shape[0],), 0, captions.shape[1])
+    captions = jnp.take_along_axis(captions, choice[:, None, None], axis=1)[:, 0]
+  z_image = represent(model, "image", batch["image"])
+  z_text = represent(model, "text", captions)
+  per_sample = losses.symmetric_info_nce(z_image, z_text, temperature=temperature, where=mask)
+  return masked_mean(per_sample, mask)
+
+
+# ----------------------------------------------------------------------------
+# Configuration, variants, state
+
+
+@dataclasses.dataclass(frozen=True)
+class CreamConfig:
+  """Static hyperparameters of a CreamFL run.
+
+  Attributes:
+    num_selected: clients taking part per round (``max(p C, 1)`` of Alg. 1).
+    batch_size: ``B``, public samples per step (server training, regulariser,
+      distillation).
+    server_temperature: InfoNCE temperature of the server's retrieval loss
+      (step 1) and of the multimodal clients' private task.
+    lcr_weight: ``gamma`` of eq. (3), weight of the regulariser.
+    inter_temperature: temperature of eq. (1) (0.5 in the reference).
+    intra_temperature: temperature of eq. (2).
+    gca_temperature: temperature of eq. (4) (1 is the paper's equation).
+    distill_weight: weight of eq. (7) (and of the server's Muscle loss).
+    iot_weight: multimodal clients' weight factor in reamFL+IoT (100).
+    muscle_partners: ``M`` local matrices per batch in the server's Muscle loss.
+    muscle_tau_full: Muscle ``tau^{(M+1)}``.
+    muscle_tau_reduced: Muscle ``tau^{(M)}`` (``gamma = 1/tau_reduced - 1/tau_full``).
+    gca_chunk_size: anchors per GCA chunk (``None``: automatic).
+  """
+
+  num_selected: int = 6
+  batch_size: int = 32
+  server_temperature: float = 0.1
+  lcr_weight: float = 0.5
+  inter_temperature: float = 0.5
+  intra_temperature: float = 0.5
+  gca_temperature: float = 1.0
+  distill_weight: float = 1.0
+  iot_weight: float = 100.0
+  muscle_partners: int = 3
+  muscle_tau_full: float = 0.2
+  muscle_tau_reduced: float = 0.15
+  gca_chunk_size: int | None = None
+
+  @property
+  def muscle_gamma(self) -> float:
+    return 1.0 / self.muscle_tau_reduced - 1.0 / self.muscle_tau_full  # losses.muscle_gamma
+
+
+@struct.dataclass
+class Variant:
+  """Which row of the tables runs: runtime switches and weights of one compiled round.
+
+  Attributes:
+    aggregation: ``int32`` index into :data:`AGGREGATIONS` (step 6).
+    inter: weight (0 or 1) of the inter-modal term of LCR (eq. (1)).
+    intra: weight (0 or 1) of the intra-modal term of LCR (eq. (2)).
+    client_muscle: weight (0 or 1) of the clients' Muscle loss (App. K).
+    distill: weight (0 or 1) of the l2 distillation (eq. (7)).
+    server_muscle: weight (0 or 1) of the server's Muscle loss (App. K).
+  """
+
+  aggregation: Array
+  inter: Array
+  intra: Array
+  client_muscle: Array
+  distill: Array
+  server_muscle: Array
+
+  @property
+  def regularised(self) -> Array:
+    """Whether the clients make a regulariser pass over the public set (step 4)."""
+    return (self.inter + self.intra + self.client_muscle) > 0
+
+
+def variant(
+  aggregation: str = "gca",
+  regulariser: str = "lcr",
+  *,
+  inter: bool = True,
+  intra: bool = True,
+  server: str = "distill",
+) -> Variant:
+  """A :class:`Variant` from names (validated).
+
+  Args:
+    aggregation: one of :data:`AGGREGATIONS`.
+    regulariser: one of :data:`REGULARISERS`.
+    inter: with ``regulariser="lcr"``, include the inter-modal term.
+    intra: with ``regulariser="lcr"``, include the intra-modal term.
+    server: one of :data:`SERVER_OBJECTIVES`.
+  """
+  for name, value, known in (
+    ("aggregation", aggregation, AGGREGATIONS),
+    ("regulariser", regulariser, REGULARISERS),
+    ("server", server, SERVER_OBJECTIVES),
+  ):
+    if value not in known:
+      raise ValueError(f"{name} must be one of {known}, got {value!r}.")
+  lcr = regulariser == "lcr"
+  return Variant(
+    aggregation=jnp.int32(AGGREGATIONS.index(aggregation)),
+    inter=jnp.float32(lcr and inter),
+    intra=jnp.float32(lcr and intra),
+    client_muscle=jnp.float32(regulariser == "muscle"),
+    distill=jnp.float32(server == "distill"),
+    server_muscle=jnp.float32(server == "muscle"),
+  )
+
+
+#: The rows of CreamFL's Tables 1 and 3 and FedMuscle's Table 3.
+VARIANTS: dict[str, dict[str, Any]] = {
+  "reamFL+Mean": dict(aggregation="mean", regulariser="none"),
+  "reamFL+Avg": dict(aggregation="avg", regulariser="none"),
+  "reamFL+IoT": dict(aggregation="iot", regulariser="none"),
+  "reamFL+GCA": dict(aggregation="gca", regulariser="none"),
+  "reamFL+GCA+LCR.inter": dict(aggregation="gca", regulariser="lcr", intra=False),
+  "reamFL+GCA+LCR.intra": dict(aggregation="gca", regulariser="lcr", inter=False),
+  "CreamFL": dict(aggregation="gca", regulariser="lcr"),
+  "CreamFL+Muscle": dict(aggregation="mean", regulariser="muscle", server="muscle"),
+}
+
+
+@struct.dataclass
+class CreamState:
+  """State of one CreamFL run.
+
+  Attributes:
+    round: ``int32`` rounds completed.
+    rng: root key of the run (client sampling, orders), folded with the round.
+    server_params: the server's :class:`DualEncoder` parameters.
+    server_opt: its optax state (one optimizer for steps 1 and 7).
+    server_rng: key advanced by the server's passes over the public set.
+    groups: per group, the stacked :class:`ClientState`.
+  """
+
+  round: Array
+  rng: Array
+  server_params: PyTree
+  server_opt: PyTree
+  server_rng: Array
+  groups: tuple[ClientState, ...]
+
+  def place(self, mesh) -> CreamState:
+    server = replicate(
+      (self.round, self.rng, self.server_params, self.server_opt, self.server_rng), mesh
+    )
+    return CreamState(*server, groups=tuple(g.place(mesh) for g in self.groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerDef:
+  """Static description of the server: model graph and optimizer."""
+
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+
+  def merge(self, params: PyTree) -> nnx.Module:
+    return nnx.merge(self.graphdef, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientGroup:
+  """A group of clients and what it reads: the :class:`GroupDef` plus its modalities.
+
+  Attributes:
+    group: static group definition (its ``task`` is a ``core.Task`` for the
+      uni-modal groups and a :class:`RetrievalTask` for the multimodal one).
+    modalities: ``("image",)``, ``("text",)`` or ``("image", "text")``.
+  """
+
+  group: GroupDef
+  modalities: tuple[str, ...]
+
+  @property
+  def multimodal(self) -> bool:
+    return len(self.modalities) == 2
+
+
+# ----------------------------------------------------------------------------
+# Pieces of the round
+
+
+def _public_inputs(public: dict[str, Array], modality: str, index: Array) -> Array:
+  """Inputs of public samples ``index``; text is each sample's first caption."""
+  if modality == "image":
+    return public["image"][index]
+  return public["caption"][index, 0]
+
+
+def public_representations(
+  model: nnx.Module, modality: str, public: dict[str, Array], batch_size: int
+) -> Array:
+  """``[P, d]`` representations of the public set (text: first caption), in batches."""
+  num_public = public["image"].shape[0]
+  index = jnp.arange(num_public)
+  return apply_in_batches(
+    lambda idx: represent(model, modality, _public_inputs(public, modality, idx)),
+    index,
+    batch_size,
+  )
+
+
+def _private_objective(client: ClientGroup):
+  """Builds the private-task objective of a group for :func:`train_group`."""
+  group = client.group
+  if not client.multimodal:
+    return supervised_objective
+
+  def objective_fn(g, shared):
+    def objective(params, batch, mask, key):
+      model = g.merge(params, shared)
+      return retrieval_objective(model, batch, mask, key, group.task.temperature), {}
+
+    return objective
+
+  return objective_fn
+
+
+def regulariser_objective(
+  client: ClientGroup,
+  shared: PyTree,
+  start_params: PyTree,
+  public: dict[str, Array],
+  global_reps: dict[str, Array],
+  config: CreamConfig,
+  var: Variant,
+):
+  """Step 4's public-set objective for ONE client, over a batch of public indices.
+
+  ``gamma * sum_m [inter * mean eq.(1) + intra * mean eq.(2) + client_muscle *
+  mean Muscle]`` over the client's modalities ``m``: LCR (eq. (3)) or, for
+  CreamFL + Muscle, the Muscle loss of the local representation against the
+  global representations of both modalities (``M = 2``). The intra-modal
+  negative is the representation by ``start_params``, the client's parameters
+  at the START of the round (before its private training).
+  """
+  group = client.group
+  previous_model = group.merge(start_params, shared)
+
+  def objective(params, batch, mask, key):
+    del key
+    model = group.merge(params, shared)
+    index = batch["index"]
+    others = jnp.stack([global_reps[m][index] for m in MODALITIES])  # [2, B, d]
+    total, aux = 0.0, {}
+    for m in client.modalities:
+      x = _public_inputs(public, m, index)
+      z = represent(model, m, x)
+      previous = jax.lax.stop_gradient(represent(previous_model, m, x))
+      l_inter = losses.inter_modal_contrast(
+        z, global_reps[_other(m)], index, temperature=config.inter_temperature, where=mask
+      )
+      l_intra = losses.intra_modal_contrast(
+        z, global_reps[m][index], previous, temperature=config.intra_temperature, where=mask
+      )
+      # Public passes have no padding rows (P is a multiple of B); mask is all-or-nothing.
+      l_muscle = losses.muscle_loss(
+        z, others, tau=config.muscle_tau_full, gamma=config.muscle_gamma
+      )
+      aux[f"inter_{m}"] = masked_mean(l_inter, mask)
+      aux[f"intra_{m}"] = masked_mean(l_intra, mask)
+      aux[f"muscle_{m}"] = masked_mean(l_muscle, mask)
+      total = (
+        total
+        + var.inter * aux[f"inter_{m}"]
+        + var.intra * aux[f"intra_{m}"]
+        + var.client_muscle * aux[f"muscle_{m}"]
+      )
+    return config.lcr_weight * total, aux
+
+  return objective
+
+
+def _public_pass(objective, tx, params, opt_state, rng, num_public, batch_size, enabled):
+  """One epoch of ``objective`` over the public indices (no step when not ``enabled``)."""
+  index = jnp.arange(num_public)
+  mask = jnp.broadcast_to(enabled, (num_public,))
+  return local_update(
+    objective,
+    tx,
+    params,
+    opt_state,
+    rng,
+    {"index": index},
+    mask,
+    num_epochs=1,
+    batch_size=batch_size,
+  )
+
+
+def server_retrieval_objective(server: ServerDef, public: dict[str, Array], temperature: float):
+  """Step 1: the server's symmetric InfoNCE on public pairs (a random caption each)."""
+
+  def objective(params, batch, mask, key):
+    model = server.merge(params)
+    sub = {"image": public["image"][batch["index"]], "caption": public["caption"][batch["index"]]}
+    return retrieval_objective(model, sub, mask, key, temperature), {}
+
+  return objective
+
+
+def draw_local_partners(key: Array, present: Array, num_partners: int) -> Array:
+  """``int32 [M]`` distinct indices among the ``present`` local matrices, uniformly."""
+  scores = jnp.where(present, jax.random.uniform(key, present.shape), -1.0)
+  return jax.lax.top_k(scores, num_partners)[1]
+
+
+def server_kd_objective(
+  server: ServerDef,
+  public: dict[str, Array],
+  targets: dict[str, Array],
+  has: dict[str, Array],
+  local_reps: Array,
+  present: Array,
+  config: CreamConfig,
+  var: Variant,
+):
+  """Steps 6-7 on the server: eq. (7) and/or the server's Muscle loss (App. K).
+
+  ``distill * sum_m ||f_m - a_m||_2`` (``a_m`` the aggregated representations,
+  modalities nobody sent are skipped) ``+ server_muscle * sum_m Muscle(f_m;
+  M local matrices)``, where the ``M`` partners are drawn per batch among all
+  local matrices received (``local_reps`` ``[R, P, d]``, both modalities).
+  """
+
+  def objective(params, batch, mask, key):
+    model = server.merge(params)
+    index = batch["index"]
+    partners = draw_local_partners(key, present, config.muscle_partners)
+    others = local_reps[partners][:, index]  # [M, B, d]
+    total = 0.0
+    for m in MODALITIES:
+      z = represent(model, m, _public_inputs(public, m, index))
+      distance = losses.representation_distance(z, targets[m][index], where=mask)
+      muscle = losses.muscle_loss(z, others, tau=config.muscle_tau_full, gamma=config.muscle_gamma)
+      total = (
+        total
+        + var.distill * has[m] * masked_mean(distance, mask)
+        + var.server_muscle * masked_mean(muscle, mask)
+      )
+    return config.distill_weight * total, {}
+
+  return objective
+
+
+def _split(flat: Array, sizes: Sequence[int]) -> list[Array]:
+  out, start = [], 0
+  for k in sizes:
+    out.append(flat[start : start + k])
+    start += k
+  return out
+
+
+def _all_finite(tree: PyTree, leading: int | None = None) -> Array:
+  leaves = jax.tree.leaves(tree)
+  if leading is None:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.stack([jnp.all(jnp.isfinite(x.reshape(leading, -1)), axis=1) for x in leaves]).all(0)
+
+
+def client_update(
+  client: ClientGroup,
+  state: ClientState,
+  data: ClientData,
+  active: Array,
+  public: dict[str, Array],
+  global_reps: dict[str, Array],
+  var: Variant,
+  config: CreamConfig,
+) -> tuple[ClientState, Array]:
+  """Step 4 for one group: private task, then the regulariser pass over the public set.
+
+  ``E`` epochs of the private task (:func:`train_group`), then one epoch of
+  :func:`regulariser_objective` over the public set whose intra-modal negative
+  is each client's model at the START of this call (before the private
+  epochs). The public pass runs under ``jax.lax.cond``: skipped for variants
+  without a regulariser. Clients with ``active = False`` take no step.
+
+  Returns:
+    ``(state, private-task loss [K])``.
+  """
+  group = client.group
+  num_public = public["image"].shape[0]
+  start = state.params
+  state, private_stats = train_group(
+    group, state, data, objective_fn=_private_objective(client), active=active
+  )
+
+  def run(_):
+    def one(params, opt, rng, start_params, act):
+      objective = regulariser_objective(
+        client, state.shared, start_params, public, global_reps, config, var
+      )
+      return _public_pass(
+        objective, group.tx, params, opt, rng, num_public, config.batch_size, act
+      )[:3]
+
+    return jax.vmap(one)(state.params, state.opt_state, state.rng, start, active)
+
+  def skip(_):
+    return state.params, state.opt_state, state.rng
+
+  params, opt, rng = jax.lax.cond(var.regularised, run, skip, None)
+  return state.replace(params=params, opt_state=opt, rng=rng), private_stats["loss"]
+
+
+# ----------------------------------------------------------------------------
+# The algorithm
+
+
+def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConfig) -> Algorithm:
+  """CreamFL and its variants over a tuple of client groups, as an :class:`Algorithm`.
+
+  ``init(server_params, client_states, key)`` and
+  ``round(state, data, public, variant) -> (state, stats)`` where ``data`` is
+  the per-group :class:`ClientData` (sample counts and client masks are read
+  from it), ``public`` holds ``image [P, S, S, 3]`` and ``caption [P, C, L]``
+  and ``variant`` is a :class:`Variant`. ``stats`` holds the participation
+  mask per group (``active``), the number of local matrices received per
+  modality, losses, and finiteness flags of the server and of each client.
+  """
+  clients = tuple(clients)
+
+  def init(server_params: PyTree, states: Sequence[ClientState], key: Array) -> CreamState:
+    return CreamState(
+      round=jnp.zeros((), jnp.int32),
+      rng=key,
+      server_params=server_params,
+      server_opt=server.tx.init(server_params),
+      server_rng=jax.random.fold_in(key, 1),
+      groups=tuple(states),
+    )
+
+  def server_step1(state: CreamState, public: dict[str, Array]):
+    num_public = public["image"].shape[0]
+    objective = server_retrieval_objective(server, public, config.server_temperature)
+    params, opt, rng, stats = _public_pass(
+      objective,
+      server.tx,
+      state.server_params,
+      state.server_opt,
+      state.server_rng,
+      num_public,
+      config.batch_size,
+      True,
+    )
+    return state.replace(server_params=params, server_opt=opt, server_rng=rng), stats["loss"]
+
+  def aggregate_modality(local, present, counts, multimodal, global_other, var):
+    """Step 6 for one modality: ``[C, P, d]`` -> ``[P, d]`` by the variant's rule."""
+    p = present.astype(local.dtype)
+    n = counts.astype(local.dtype)
+    factor = jnp.where(multimodal, config.iot_weight, 1.0).astype(local.dtype)
+    branches = (
+      lambda _: gca.client_weighted(local, p),
+      lambda _: gca.client_weighted(local, p * n),
+      lambda _: gca.client_weighted(local, p * n * factor),
+      lambda _: gca.gca(
+        local,
+        global_other,
+        present,
+        temperature=config.gca_temperature,
+        chunk_size=config.gca_chunk_size,
+      ),
+    )
+    return jax.lax.switch(var.aggregation, branches, None)
+
+  def round_fn(
+    state: CreamState, data: Sequence[ClientData], public: dict[str, Array], var: Variant
+  ):
+    key = jax.random.fold_in(state.rng, state.round)
+    num_public = public["image"].shape[0]
+    stats = {}
+
+    # 1. The server trains on the public set.
+    state, stats["server_loss"] = server_step1(state, public)
+    server_model = server.merge(state.server_params)
+
+    # 2. A random fraction of the clients takes part.
+    valid = jnp.concatenate([d.client_mask for d in data])
+    selected = aggregate.sample_clients(jax.random.fold_in(key, 0), valid, config.num_selected)
+    active = _split(selected, [d.num_clients for d in data])
+    stats["active"] = tuple(active)
+
+    # 3. Global representations of the public set, sent to the selected clients.
+    global_reps = {
+      m: public_representations(server_model, m, public, config.batch_size) for m in MODALITIES
+    }
+
+    # 4-5. Local training, regulariser, local representations of the public set.
+    new_groups, local = [], {m: [] for m in MODALITIES}
+    meta = {m: {"present": [], "counts": [], "multimodal": []} for m in MODALITIES}
+    client_losses = []
+    for client, cstate, d, act in zip(clients, state.groups, data, active, strict=True):
+      cstate, private_loss = client_update(client, cstate, d, act, public, global_reps, var, config)
+      client_losses.append(private_loss)
+      new_groups.append(cstate)
+
+      def reps(params, shared=cstate.shared, client=client):
+        model = client.group.merge(params, shared)
+        return {
+          m: public_representations(model, m, public, config.batch_size) for m in client.modalities
+        }
+
+      group_reps = jax.vmap(reps)(cstate.params)  # {m: [K, P, d]}
+      for m in client.modalities:
+        local[m].append(group_reps[m])
+        meta[m]["present"].append(act)
+        meta[m]["counts"].append(d.num_samples)
+        meta[m]["multimodal"].append(jnp.full(act.shape, client.multimodal))
+    state = state.replace(groups=tuple(new_groups))
+    stats["client_loss"] = tuple(client_losses)
+
+    local = {m: jnp.concatenate(v) for m, v in local.items()}
+    meta = {m: {k: jnp.concatenate(v) for k, v in mm.items()} for m, mm in meta.items()}
+    has = {m: jnp.any(meta[m]["present"]).astype(jnp.float32) for m in MODALITIES}
+    stats["received"] = {m: jnp.sum(meta[m]["present"]) for m in MODALITIES}
+
+    # 6-7. Aggregation and distillation (or the server's Muscle loss).
+    targets = {
+      m: aggregate_modality(
+        local[m],
+        meta[m]["present"],
+        meta[m]["counts"],
+        meta[m]["multimodal"],
+        global_reps[_other(m)],
+        var,
+      )[0]
+      for m in MODALITIES
+    }
+    objective = server_kd_objective(
+      server,
+      public,
+      targets,
+      has,
+      jnp.concatenate([local[m] for m in MODALITIES]),
+      jnp.concatenate([meta[m]["present"] for m in MODALITIES]),
+      config,
+      var,
+    )
+    params, opt, rng, kd_stats = _public_pass(
+      objective,
+      server.tx,
+      state.server_params,
+      state.server_opt,
+      state.server_rng,
+      num_public,
+      config.batch_size,
+      True,
+    )
+    stats["kd_loss"] = kd_stats["loss"]
+    state = state.replace(server_params=params, server_opt=opt, server_rng=rng)
+    stats["server_finite"] = _all_finite(state.server_params)
+    stats["client_finite"] = tuple(
+      _all_finite(g.params, d.num_clients) for g, d in zip(state.groups, data, strict=True)
+    )
+    return state.replace(round=state.round + 1), stats
+
+  return Algorithm(init=init, round=round_fn)
+
+
+def server_only(server: ServerDef, config: CreamConfig) -> Algorithm:
+  """ "Local training" of the server alone on the public set (step 1 every round).
+
+  Same state type as :func:`creamfl` (the client groups ride along untouched),
+  ``round(state, public) -> (state, stats)``.
+  """
+
+  def init(server_params: PyTree, states: Sequence[ClientState], key: Array) -> CreamState:
+    return creamfl((), server, config).init(server_params, states, key)
+
+  def round_fn(state: CreamState, public: dict[str, Array]):
+    num_public = public["image"].shape[0]
+    objective = server_retrieval_objective(server, public, config.server_temperature)
+    params, opt, rng, stats = _public_pass(
+      objective,
+      server.tx,
+      state.server_params,
+      state.server_opt,
+      state.server_rng,
+      num_public,
+      config.batch_size,
+      True,
+    )
+    state = state.replace(
+      round=state.round + 1, server_params=params, server_opt=opt, server_rng=rng
+    )
+    return state, {"server_loss": stats["loss"], "server_finite": _all_finite(params)}
+
+  return Algorithm(init=init, round=round_fn)

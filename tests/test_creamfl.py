@@ -1,0 +1,192 @@
+"""CreamFL's client step: the intra-modal negative is the start-of-round model; objectives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_mm import core, data, losses, models
+from fedjax_mm.algorithms import creamfl
+
+D = 8
+NUM_PUBLIC = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+  """Two text clients (transformer_t, caption colour), a tiny public set and global reps."""
+  world = data.WorldConfig(image_size=16)
+  config = {
+    "encoder": "transformer_t",
+    "num_outputs": data.NUM_COLORS,
+    "rep_dim": D,
+    "vocab_size": data.VOCAB_SIZE,
+    "max_len": world.max_caption_len,
+  }
+  group, state = core.init_group(
+    lambda rngs: models.build(config, rngs=rngs),
+    name="text",
+    tx=optax.sgd(0.5),
+    task=core.Task("classification", "caption", "caption_label", data.NUM_COLORS),
+    key=jax.random.key(0),
+    num_clients=2,
+    batch_size=4,
+  )
+  client = creamfl.ClientGroup(group, ("text",))
+  private = data.generate(3, 8, config=world)
+  clients = [{k: private[k][i::2] for k in ("caption", "caption_label")} for i in range(2)]
+  stacked, mask = data.stack_clients(clients)
+  client_data = core.make_client_data(stacked, mask, user_ids=np.arange(2))
+  public = data.generate(4, NUM_PUBLIC, config=world, shift=1.0)
+  public = {"image": jnp.asarray(public["image"]), "caption": jnp.asarray(public["caption"])}
+  keys = jax.random.split(jax.random.key(1), 2)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  global_reps = {
+    m: unit(jax.random.normal(k, (NUM_PUBLIC, D)))
+    for m, k in zip(("image", "text"), keys, strict=True)
+  }
+  return client, state, client_data, public, global_reps
+
+
+def _config():
+  return creamfl.CreamConfig(batch_size=2, lcr_weight=1.0, num_selected=2)
+
+
+def test_intra_modal_negative_is_the_start_of_round_model(setup):
+  client, state, client_data, public, global_reps = setup
+  config = _config()
+  var = creamfl.variant("gca", "lcr", inter=False)  # intra only: the negative matters
+  active = jnp.array([True, True])
+  new, _ = jax.jit(creamfl.client_update, static_argnums=(0, 7))(
+    client, state, client_data, active, public, global_reps, var, config
+  )
+
+  # The same steps by hand: private epochs, then the public pass with a chosen negative.
+  private, _ = core.train_group(client.group, state, client_data, active=active)
+  moved = max(
+    float(np.max(np.abs(a - b)))
+    for a, b in zip(jax.tree.leaves(private.params), jax.tree.leaves(state.params), strict=True)
+  )
+  assert moved > 1e-3  # Private training moved the model: the two candidate negatives differ.
+
+  def by_hand(negative_params):
+    def one(params, opt, rng, neg):
+      objective = creamfl.regulariser_objective(
+        client, private.shared, neg, public, global_reps, config, var
+      )
+      return core.local_update(
+        objective,
+        client.group.tx,
+        params,
+        opt,
+        rng,
+        {"index": jnp.arange(NUM_PUBLIC)},
+        jnp.ones(NUM_PUBLIC, bool),
+        num_epochs=1,
+        batch_size=config.batch_size,
+      )[0]
+
+    return jax.jit(jax.vmap(one))(private.params, private.opt_state, private.rng, negative_params)
+
+  start_of_round = by_hand(state.params)
+  after_private = by_hand(private.params)
+  for got, want in zip(jax.tree.leaves(new.params), jax.tree.leaves(start_of_round), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  differs = [
+    not np.allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(after_private), strict=True)
+  ]
+  assert any(differs)
+
+
+def test_inactive_clients_and_reamfl_rows_take_no_public_step(setup):
+  client, state, client_data, public, global_reps = setup
+  config = _config()
+  update = jax.jit(creamfl.client_update, static_argnums=(0, 7))
+  # Client 1 is not selected: it keeps its parameters exactly.
+  new, _ = update(
+    client,
+    state,
+    client_data,
+    jnp.array([True, False]),
+    public,
+    global_reps,
+    creamfl.variant("gca", "lcr"),
+    config,
+  )
+  moved = []
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True):
+    np.testing.assert_array_equal(a[1], b[1])
+    moved.append(not np.array_equal(a[0], b[0]))
+  assert any(moved)  # ... while the selected client 0 trained.
+  # reamFL (no regulariser) == private training alone.
+  new, _ = update(
+    client,
+    state,
+    client_data,
+    jnp.array([True, True]),
+    public,
+    global_reps,
+    creamfl.variant("mean", "none"),
+    config,
+  )
+  private, _ = core.train_group(client.group, state, client_data, active=jnp.array([True, True]))
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(private.params), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_regulariser_objective_terms(setup):
+  client, state, _, public, global_reps = setup
+  config = _config()
+  params = jax.tree.map(lambda x: x[0], state.params)
+  start = jax.tree.map(lambda x: x[1], state.params)
+  batch = {"index": jnp.array([2, 0])}
+  mask = jnp.array([True, True])
+  model = client.group.merge(params, state.shared)
+  x = public["caption"][batch["index"], 0]
+  z = model.represent(x)
+  previous = client.group.merge(start, state.shared).represent(x)
+
+  def value(var):
+    objective = creamfl.regulariser_objective(
+      client, state.shared, start, public, global_reps, config, var
+    )
+    return float(objective(params, batch, mask, jax.random.key(0))[0])
+
+  inter = losses.inter_modal_contrast(z, global_reps["image"], batch["index"], temperature=0.5)
+  intra = losses.intra_modal_contrast(
+    z, global_reps["text"][batch["index"]], previous, temperature=0.5
+  )
+  others = jnp.stack([global_reps[m][batch["index"]] for m in ("image", "text")])
+  muscle = losses.muscle_loss(z, others, tau=0.2, gamma=1 / 0.15 - 1 / 0.2)
+  np.testing.assert_allclose(
+    value(creamfl.variant("gca", "lcr")), inter.mean() + intra.mean(), rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    value(creamfl.variant("gca", "lcr", intra=False)), inter.mean(), rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    value(creamfl.variant("mean", "muscle", server="muscle")), muscle.mean(), rtol=1e-5
+  )
+
+
+def test_variants_table_and_validation():
+  v = creamfl.variant(**creamfl.VARIANTS["CreamFL"])
+  assert int(v.aggregation) == creamfl.AGGREGATIONS.index("gca")
+  assert float(v.inter) == float(v.intra) == float(v.distill) == 1.0
+  assert float(v.client_muscle) == float(v.server_muscle) == 0.0
+  m = creamfl.variant(**creamfl.VARIANTS["CreamFL+Muscle"])
+  assert float(m.client_muscle) == float(m.server_muscle) == 1.0 and float(m.distill) == 0.0
+  assert float(m.inter) == float(m.intra) == 0.0
+  for name in ("reamFL+Mean", "reamFL+Avg", "reamFL+IoT", "reamFL+GCA"):
+    assert not bool(creamfl.variant(**creamfl.VARIANTS[name]).regularised)
+  with pytest.raises(ValueError, match="aggregation"):
+    creamfl.variant("median")
+
+
+def test_partners_are_distinct_and_present():
+  present = jnp.array([True, False, True, True, False, True])
+  for seed in range(20):
+    p = np.asarray(creamfl.draw_local_partners(jax.random.key(seed), present, 3))
+    assert len(set(p.tolist())) == 3 and np.all(np.asarray(present)[p])
