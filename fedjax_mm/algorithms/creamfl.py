@@ -581,6 +581,24 @@ def client_update(
 # The algorithm
 
 
+def _server_retrieval_epoch(
+  server: ServerDef, config: CreamConfig, state: CreamState, public: dict[str, Array]
+) -> tuple[CreamState, Array]:
+  """Step 1: one epoch of the server's retrieval loss on the public set; returns the mean loss."""
+  objective = server_retrieval_objective(server, public, config.server_temperature)
+  params, opt, rng, stats = _public_pass(
+    objective,
+    server.tx,
+    state.server_params,
+    state.server_opt,
+    state.server_rng,
+    public["image"].shape[0],
+    config.batch_size,
+    True,
+  )
+  return state.replace(server_params=params, server_opt=opt, server_rng=rng), stats["loss"]
+
+
 def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConfig) -> Algorithm:
   """CreamFL and its variants over a tuple of client groups, as an :class:`Algorithm`.
 
@@ -603,21 +621,6 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
       server_rng=jax.random.fold_in(key, 1),
       groups=tuple(states),
     )
-
-  def server_step1(state: CreamState, public: dict[str, Array]):
-    num_public = public["image"].shape[0]
-    objective = server_retrieval_objective(server, public, config.server_temperature)
-    params, opt, rng, stats = _public_pass(
-      objective,
-      server.tx,
-      state.server_params,
-      state.server_opt,
-      state.server_rng,
-      num_public,
-      config.batch_size,
-      True,
-    )
-    return state.replace(server_params=params, server_opt=opt, server_rng=rng), stats["loss"]
 
   def aggregate_modality(local, present, counts, multimodal, global_other, var):
     """Step 6 for one modality: ``[C, P, d]`` -> ``[P, d]`` by the variant's rule."""
@@ -646,7 +649,7 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
     stats = {}
 
     # 1. The server trains on the public set.
-    state, stats["server_loss"] = server_step1(state, public)
+    state, stats["server_loss"] = _server_retrieval_epoch(server, config, state, public)
     server_model = server.merge(state.server_params)
 
     # 2. A random fraction of the clients takes part.
@@ -743,21 +746,8 @@ def server_only(server: ServerDef, config: CreamConfig) -> Algorithm:
     return creamfl((), server, config).init(server_params, states, key)
 
   def round_fn(state: CreamState, public: dict[str, Array]):
-    num_public = public["image"].shape[0]
-    objective = server_retrieval_objective(server, public, config.server_temperature)
-    params, opt, rng, stats = _public_pass(
-      objective,
-      server.tx,
-      state.server_params,
-      state.server_opt,
-      state.server_rng,
-      num_public,
-      config.batch_size,
-      True,
-    )
-    state = state.replace(
-      round=state.round + 1, server_params=params, server_opt=opt, server_rng=rng
-    )
-    return state, {"server_loss": stats["loss"], "server_finite": _all_finite(params)}
+    state, loss = _server_retrieval_epoch(server, config, state, public)
+    state = state.replace(round=state.round + 1)
+    return state, {"server_loss": loss, "server_finite": _all_finite(state.server_params)}
 
   return Algorithm(init=init, round=round_fn)
