@@ -355,7 +355,7 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
         g.task.metric_name,
         100 * alg,
         100 * loc,
-        report_lib.percent(gain),
+        report_lib.percent(gain) if loc else "n/a (local 0)",
       ]
     )
   delta, excluded = _delta(final["fedmuscle"], final["local"])
