@@ -247,3 +247,10 @@ def test_task_validation():
   with pytest.raises(ValueError, match="unknown task kind"):
     core.Task(kind="regression", input_key="x", target_key="y", num_outputs=1)
   assert TASK.metric_name == "accuracy"
+
+
+def test_finite_per_client_names_the_diverged_client():
+  tree = {"w": jnp.ones((3, 2, 2)), "b": jnp.zeros((3, 4))}
+  tree["b"] = tree["b"].at[1, 2].set(jnp.nan)
+  tree["w"] = tree["w"].at[2, 0, 1].set(jnp.inf)
+  np.testing.assert_array_equal(core.finite_per_client(tree), [True, False, False])

@@ -68,6 +68,7 @@ from fedjax_mm.core.client import (
   ClientState,
   GroupDef,
   apply_in_batches,
+  finite_per_client,
   local_update,
   supervised_objective,
   train_group,
@@ -524,11 +525,9 @@ def _split(flat: Array, sizes: Sequence[int]) -> list[Array]:
   return out
 
 
-def _all_finite(tree: PyTree, leading: int | None = None) -> Array:
-  leaves = jax.tree.leaves(tree)
-  if leading is None:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-  return jnp.stack([jnp.all(jnp.isfinite(x.reshape(leading, -1)), axis=1) for x in leaves]).all(0)
+def _all_finite(tree: PyTree) -> Array:
+  """Scalar: every leaf of an unstacked pytree (the server's parameters) is finite."""
+  return finite_per_client(jax.tree.map(lambda x: x[None], tree))[0]
 
 
 def client_update(
@@ -727,9 +726,7 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
     stats["kd_loss"] = kd_stats["loss"]
     state = state.replace(server_params=params, server_opt=opt, server_rng=rng)
     stats["server_finite"] = _all_finite(state.server_params)
-    stats["client_finite"] = tuple(
-      _all_finite(g.params, d.num_clients) for g, d in zip(state.groups, data, strict=True)
-    )
+    stats["client_finite"] = tuple(finite_per_client(g.params) for g in state.groups)
     return state.replace(round=state.round + 1), stats
 
   return Algorithm(init=init, round=round_fn)

@@ -356,6 +356,18 @@ def train_group(
   return state.replace(params=params, opt_state=opt_state, rng=rng), stats
 
 
+def finite_per_client(stacked: PyTree) -> Array:
+  """``bool [K]``: every leaf of each client's slice of a stacked pytree is finite.
+
+  The NaN/Inf guard of the runners: a client whose update diverged is named
+  before its state is checkpointed.
+  """
+  leaves = jax.tree.leaves(stacked)
+  return jnp.stack([jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in leaves]).all(
+    0
+  )
+
+
 def apply_in_batches(fn: Callable[[Array], Array], x: Array, batch_size: int) -> Array:
   """``fn`` on ``x [n, ...]`` in minibatches of ``batch_size`` (bounded memory).
 

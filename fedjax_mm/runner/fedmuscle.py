@@ -164,13 +164,7 @@ def build(config):
 
 def _finite_per_user(state) -> jax.Array:
   """``bool [N]``: every parameter of each user is finite."""
-  flags = []
-  for group_state in state.groups:
-    leaves = jax.tree.leaves(group_state.params)
-    flags.append(
-      jnp.stack([jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in leaves]).all(0)
-    )
-  return jnp.concatenate(flags)
+  return jnp.concatenate([core.finite_per_client(g.params) for g in state.groups])
 
 
 def _bytes_per_round(config, num_batches: int) -> dict[str, int]:

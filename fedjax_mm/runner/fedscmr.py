@@ -325,14 +325,6 @@ def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size):
 # The loop
 
 
-def _finite_per_client(state) -> jax.Array:
-  """``bool [K]``: every parameter of each client is finite."""
-  leaves = jax.tree.leaves(state.groups[0].params)
-  return jnp.stack([jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in leaves]).all(
-    0
-  )
-
-
 def _progress(iterable, start, total, enabled):
   if not enabled:
     return iterable
@@ -378,7 +370,7 @@ def run(
   def step(m):
     def fn(s):
       s, stats = algs[m].round(s, train)
-      return s, stats | {"finite": _finite_per_client(s)}
+      return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
 
     return jax.jit(fn, donate_argnums=0)
 
