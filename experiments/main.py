@@ -17,6 +17,7 @@ from ml_collections import config_flags
 from fedjax_mm.runner import creamfl as creamfl_runner
 from fedjax_mm.runner import fedmuscle as fedmuscle_runner
 from fedjax_mm.runner import fedscmr as fedscmr_runner
+from fedjax_mm.runner import pretrain as pretrain_runner
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -38,6 +39,7 @@ RUNNERS = {
   "creamfl": creamfl_runner.run,
   "fedmuscle": fedmuscle_runner.run,
   "fedscmr": fedscmr_runner.run,
+  "pretrain": pretrain_runner.run,
 }
 
 

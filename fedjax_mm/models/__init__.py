@@ -23,6 +23,11 @@ Config keys (``DEFAULTS`` gives the defaults; unknown keys are an error):
 * ``head_hidden``: hidden width of the ``mlp`` / ``segmentation`` head
   (default: d for ``mlp``, 64 for ``segmentation``).
 * ``modality``: optional; inferred from the encoder, checked if given.
+* ``pretrained``: optional checkpoint for the encoder, a shipped name
+  (``"world-clip/vit_s"``) or a folder (:mod:`fedjax_mm.models.pretrained`);
+  its ``encoder`` and size keys must match. The projector and head stay
+  freshly initialised; with ``lora_rank > 0`` the adapters too (``B = 0``, so
+  the loaded encoder's output is unchanged until they train).
 * text: ``vocab_size`` (1000), ``max_len`` (32); image: ``image_size`` (32),
   ``channels`` (3). Keys of the other modality are ignored.
 """
@@ -35,7 +40,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fedjax_mm.models import heads, image, lora, text
+from fedjax_mm.models import heads, image, lora, pretrained, text
 from fedjax_mm.models.heads import LinearHead, MlpHead, SegmentationHead
 from fedjax_mm.models.lora import adapter_filter, dense, frozen_filter, trainable_filter
 from fedjax_mm.models.user_model import (
@@ -49,6 +54,7 @@ __all__ = [
   "DEFAULTS",
   "ENCODERS",
   "HEADS",
+  "LORA_ENCODERS",
   "LinearHead",
   "MlpHead",
   "SegmentationHead",
@@ -64,6 +70,7 @@ __all__ = [
   "l2_normalize",
   "lora",
   "param_count",
+  "pretrained",
   "representation_filter",
   "text",
   "trainable_filter",
@@ -85,6 +92,9 @@ ENCODERS: dict[str, tuple[str, Callable[..., nnx.Module]]] = {
   "gru": ("text", text.gru),
 }
 
+#: Encoders with dense layers that take LoRA adapters (the CNNs have none).
+LORA_ENCODERS = frozenset({"vit_t", "vit_s", "vit_b", "transformer_t", "transformer_s", "gru"})
+
 #: Head name -> head class.
 HEADS: dict[str, type[nnx.Module]] = {
   "linear": LinearHead,
@@ -100,6 +110,7 @@ DEFAULTS: dict[str, Any] = {
   "lora_rank": 0,
   "head_hidden": None,
   "modality": None,
+  "pretrained": None,
   "vocab_size": 1000,
   "max_len": 32,
   "image_size": 32,
@@ -145,8 +156,10 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
 
   Raises:
     ValueError: unknown encoder/head/key, missing ``num_outputs``, a modality
-      that contradicts the encoder, a segmentation head on a text encoder, or
-      ``lora_rank > 0`` on a convolutional encoder.
+      that contradicts the encoder, a segmentation head on a text encoder,
+      ``lora_rank > 0`` on a convolutional encoder, or a ``pretrained``
+      checkpoint that is missing or does not fit
+      (:class:`~fedjax_mm.models.pretrained.PretrainedError`).
   """
   if isinstance(name_or_config, str):
     config = {"encoder": name_or_config}
@@ -178,6 +191,9 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
     lora_rank=c["lora_rank"],
     **{k: c[k] for k in _MODALITY_KEYS[modality]},
   )
+  if c["pretrained"]:
+    expect = {"encoder": c["encoder"], **{k: c[k] for k in _MODALITY_KEYS[modality]}}
+    pretrained.load_into(encoder, c["pretrained"], expect=expect)
   projector = nnx.Linear(encoder.features, c["rep_dim"], rngs=rngs)
   head_kwargs = (
     {} if c["head_hidden"] is None or c["head"] == "linear" else {"hidden": c["head_hidden"]}

@@ -1,0 +1,404 @@
+"""The pretraining experiment: CLIP-style world encoders, their probes and their folders.
+
+``run(config, workdir)`` is what ``python -m experiments.main
+--config=experiments/pretrain.py`` calls. It
+
+1. generates the **web split** of the world: ``config.web.size`` image-caption
+   pairs at ``shift = config.web.shift`` (between the private distribution, 0,
+   and the public one, 1), from seeds ``WEB_SEED + config.seed`` (training) and
+   ``WEB_SEED + config.seed + 1`` (held-out retrieval pairs). Every federated
+   split and public set is generated from seeds below ``WEB_SEED`` (seed *
+   1000 + small offsets), so the web split shares no stream with them;
+2. pretrains each ``(image encoder, text encoder)`` pair of ``config.pairs``
+   with :mod:`fedjax_mm.algorithms.clip` (AdamW, warm-up + cosine, batches of
+   ``config.batch_size``), with a progress bar per pair;
+3. measures each pair: linear probes on the frozen image encoder's pooled
+   features (``config.probe.train`` labelled private-distribution samples,
+   scored on ``config.probe.test`` others) for the primary shape (10 classes),
+   the primary colour (10) and the multi-label shape set (micro-F1), beside
+   the trivial baselines (majority class; "every label present"), and
+   zero-shot retrieval R@1/5/10 in both directions on ``config.eval_pairs``
+   held-out web pairs (5 captions each);
+4. writes each encoder as a Hugging Face-style folder
+   ``workdir/world-clip/<encoder>`` (:mod:`fedjax_mm.models.pretrained`):
+   every image encoder from its pair, every text encoder from the first pair
+   that names it; ``config.json`` records the pretraining and the quality
+   figures.
+
+A rerun resumes at pair granularity: a pair whose folders are complete is
+evaluated from them instead of retrained. The shipped weights
+(``fedjax_mm/weights/world-clip``) are this run's folders at the default
+config; the README says how to rebuild them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from fedjax_mm import data, metrics, models
+from fedjax_mm.algorithms import clip, probe
+from fedjax_mm.models import pretrained
+from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.workdir import prepare_workdir
+from fedjax_mm.runner.writers import MetricWriter
+
+#: Seeds of the web split start here; federated splits use ``seed * 1000 + k``.
+WEB_SEED = 1 << 30
+#: Probe targets: name -> (data key, outputs, multilabel).
+PROBES = {
+  "shape": ("label10", data.NUM_SHAPES, False),
+  "colour": ("caption_label", data.NUM_COLORS, False),
+  "multilabel": ("multilabel", data.NUM_SHAPES, True),
+}
+
+
+def validate(config) -> list[tuple[str, str]]:
+  """Checks a config; returns its pairs. Raises :class:`ConfigError`."""
+  pairs = [tuple(p) for p in config.pairs]
+  if not pairs:
+    raise ConfigError("pairs is empty: name at least one (image encoder, text encoder) pair.")
+  seen = set()
+  for image_name, text_name in pairs:
+    for name, modality in ((image_name, "image"), (text_name, "text")):
+      if models.ENCODERS.get(name, ("",))[0] != modality:
+        known = [n for n, (m, _) in models.ENCODERS.items() if m == modality]
+        raise ConfigError(
+          f"pair {image_name}/{text_name}: {name!r} is not an {modality} encoder; known: {known}."
+        )
+    if image_name in seen:
+      raise ConfigError(f"image encoder {image_name!r} appears in two pairs.")
+    seen.add(image_name)
+  for key in ("batch_size", "embed_dim"):
+    if not isinstance(config[key], int) or config[key] < 1:
+      raise ConfigError(f"{key} must be a positive int, got {config[key]!r}.")
+  for key in ("learning_rate", "weight_decay", "warmup_fraction"):
+    value = config[key]
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+      raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}.")
+  if config.learning_rate <= 0 or config.warmup_fraction >= 1:
+    raise ConfigError("learning_rate must be > 0 and warmup_fraction < 1.")
+  for name in dict(config.epochs):
+    if name not in seen:
+      raise ConfigError(f"epochs names {name!r}, which is no pair's image encoder.")
+  if any(
+    not isinstance(e, int) or e < 1 for e in [config.default_epochs, *dict(config.epochs).values()]
+  ):
+    raise ConfigError("epochs must be positive ints.")
+  if config.web.size < config.batch_size:
+    raise ConfigError(
+      f"web.size ({config.web.size}) is smaller than one batch ({config.batch_size})."
+    )
+  if not 0.0 <= config.web.shift <= 1.0:
+    raise ConfigError(f"web.shift must be in [0, 1], got {config.web.shift}.")
+  if min(config.probe.train, config.probe.test, config.eval_pairs) < 10:
+    raise ConfigError("probe.train, probe.test and eval_pairs must each be >= 10.")
+  return pairs
+
+
+def epochs_for(config, image_name: str) -> int:
+  return int(dict(config.epochs).get(image_name, config.default_epochs))
+
+
+def _optimizer(config, total_steps: int) -> optax.GradientTransformation:
+  warmup = max(1, int(config.warmup_fraction * total_steps))
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, config.learning_rate, warmup, max(total_steps, warmup + 1)
+  )
+  # Decay matrices only (CLIP's practice): no decay on biases, norms, the logit scale.
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.adamw(schedule, weight_decay=config.weight_decay, mask=decay_mask)
+
+
+def _model(config, image_name: str, text_name: str, key: jax.Array) -> clip.ClipModel:
+  return clip.ClipModel(
+    image_name,
+    text_name,
+    embed_dim=config.embed_dim,
+    image_size=data.WorldConfig().image_size,
+    vocab_size=data.VOCAB_SIZE,
+    max_len=data.WorldConfig().max_caption_len,
+    rngs=nnx.Rngs(key),
+  )
+
+
+def train_pair(
+  config, image_name, text_name, web, key, *, progress=True, writer=None, evaluate_fn=None
+):
+  """Pretrains one pair; returns the trained :class:`~fedjax_mm.algorithms.clip.ClipModel`.
+
+  ``evaluate_fn(model) -> dict``, if given, is measured after every epoch and
+  written beside the loss (the learning curve of the report).
+  """
+  init_key, data_key = jax.random.split(key)
+  model = _model(config, image_name, text_name, init_key)
+  graphdef, params = nnx.split(model, nnx.Param)
+  n, b = web["image"].shape[0], config.batch_size
+  steps_per_epoch = n // b
+  epochs = epochs_for(config, image_name)
+  trainer = clip.ClipTrainer(graphdef, _optimizer(config, epochs * steps_per_epoch))
+  opt_state = trainer.tx.init(params)
+  images, captions = jnp.asarray(web["image"]), jnp.asarray(web["caption"])
+  num_captions = captions.shape[1]
+
+  @jax.jit
+  def step(params, opt_state, key):
+    perm_key, cap_key, s = key
+    idx = jax.lax.dynamic_slice_in_dim(jax.random.permutation(perm_key, n), s * b, b)
+    which = jax.random.randint(jax.random.fold_in(cap_key, s), (b,), 0, num_captions)
+    return trainer.step(params, opt_state, images[idx], captions[idx, which])
+
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+      total=epochs * steps_per_epoch,
+      desc=f"{image_name}+{text_name}",
+      unit="step",
+      dynamic_ncols=True,
+    )
+  for e in range(epochs):
+    perm_key, cap_key = jax.random.split(jax.random.fold_in(data_key, e))
+    total = 0.0
+    for s in range(steps_per_epoch):
+      params, opt_state, loss = step(params, opt_state, (perm_key, cap_key, s))
+      if bar is not None:
+        bar.update(1)
+        if s % 20 == 0:
+          bar.set_postfix(epoch=e + 1, loss=f"{float(loss):.3f}")
+      total += loss
+    mean_loss = float(total) / steps_per_epoch
+    if not math.isfinite(mean_loss):
+      raise FloatingPointError(
+        f"{image_name}+{text_name}: the loss became {mean_loss} in epoch {e + 1}."
+      )
+    if writer is not None:
+      scalars = {"loss": mean_loss, "temperature": float(jnp.exp(-params["logit_scale"][...]))}
+      if evaluate_fn is not None:
+        scalars |= evaluate_fn(nnx.merge(graphdef, params))
+      writer.write(e + 1, scalars)
+  if bar is not None:
+    bar.close()
+  return nnx.merge(graphdef, params)
+
+
+def _batched(fn, x, batch=500):
+  return jnp.concatenate([fn(x[i : i + batch]) for i in range(0, x.shape[0], batch)])
+
+
+def evaluate(model: clip.ClipModel, probe_train, probe_test, held_out) -> dict[str, float]:
+  """Linear probes on the image encoder's pooled features and zero-shot retrieval (in %)."""
+  feats = lambda split: _batched(lambda x: model.image_encoder(x)[0], jnp.asarray(split["image"]))
+  f_train, f_test = feats(probe_train), feats(probe_test)
+  out = {}
+  for name, (key, outputs, multilabel) in PROBES.items():
+    out[f"probe_{name}"] = 100 * probe.linear_probe_score(
+      f_train,
+      jnp.asarray(probe_train[key]),
+      f_test,
+      jnp.asarray(probe_test[key]),
+      num_outputs=outputs,
+      multilabel=multilabel,
+    )
+  z_image = _batched(model.embed_image, jnp.asarray(held_out["image"]))
+  caps = held_out["caption"]
+  n, c = caps.shape[:2]
+  z_text = _batched(model.embed_text, jnp.asarray(caps.reshape(n * c, -1)))
+  recall = metrics.image_text_recall(z_image, z_text, jnp.repeat(jnp.arange(n), c))
+  out |= {k: float(v) for k, v in recall.items()}
+  return out
+
+
+def trivial_baselines(probe_train, probe_test) -> dict[str, float]:
+  """What the probes score without looking at the image (in %)."""
+  out = {}
+  for name, (key, outputs, multilabel) in PROBES.items():
+    y_test = jnp.asarray(probe_test[key])
+    if multilabel:  # "Every label present".
+      out[f"probe_{name}"] = 100 * float(metrics.micro_f1(jnp.ones_like(y_test), y_test))
+    else:  # The training set's majority class.
+      majority = int(np.bincount(probe_train[key], minlength=outputs).argmax())
+      out[f"probe_{name}"] = 100 * float(jnp.mean(y_test == majority))
+  return out
+
+
+def _round_trip(model: nnx.Module, dtype: str) -> None:
+  """Casts every parameter to ``dtype`` and back, in place (what a reload gives)."""
+  _, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, dtype), x.dtype), params)
+  nnx.update(model, params)
+
+
+def _folder_config(config, model, name, modality, partner, quality, steps) -> dict[str, Any]:
+  encoder = model.image_encoder if modality == "image" else model.text_encoder
+  world = data.WorldConfig()
+  sizes = (
+    {"image_size": world.image_size, "channels": 3}
+    if modality == "image"
+    else {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
+  )
+  return {
+    "encoder": name,
+    "modality": modality,
+    "features": encoder.features,
+    **sizes,
+    "embed_dim": config.embed_dim,
+    "pretraining": {
+      "objective": "CLIP symmetric InfoNCE, learnt temperature",
+      "partner": partner,
+      "web_size": config.web.size,
+      "web_shift": config.web.shift,
+      "seed": config.seed,
+      "epochs": epochs_for(config, name if modality == "image" else partner),
+      "steps": steps,
+      "batch_size": config.batch_size,
+      "learning_rate": config.learning_rate,
+      "final_temperature": float(jnp.exp(-model.logit_scale[...])),
+    },
+    "quality": quality,
+  }
+
+
+def _save_pair(config, out_dir, model, image_name, text_name, text_owner, quality, steps):
+  dtype = config.dtype
+  if text_owner:
+    pretrained.save(
+      out_dir / text_name,
+      model.text_encoder,
+      _folder_config(config, model, text_name, "text", image_name, quality, steps),
+      projection=np.asarray(model.text_projection.kernel[...]),
+      dtype=dtype,
+    )
+  # The image folder is written last: its presence marks the pair complete.
+  pretrained.save(
+    out_dir / image_name,
+    model.image_encoder,
+    _folder_config(config, model, image_name, "image", text_name, quality, steps),
+    projection=np.asarray(model.image_projection.kernel[...]),
+    dtype=dtype,
+  )
+
+
+def load_pair(config, folder: pathlib.Path, image_name: str, text_name: str) -> clip.ClipModel:
+  """A :class:`ClipModel` filled from a pair's folders (the text tower from ``folder``)."""
+  model = _model(config, image_name, text_name, jax.random.key(0))
+  for name, encoder, projection in (
+    (image_name, model.image_encoder, model.image_projection),
+    (text_name, model.text_encoder, model.text_projection),
+  ):
+    cfg = pretrained.load_into(encoder, folder / name, expect={"encoder": name})
+    projection.kernel[...] = jnp.asarray(
+      pretrained.read_tensors(folder / name)["projection.kernel"]
+    )
+    if name == image_name:
+      model.logit_scale[...] = jnp.asarray(-math.log(cfg["pretraining"]["final_temperature"]))
+  return model
+
+
+def run(config, workdir, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+  """Pretrains every pair, writes the folders, the report and ``results.json``."""
+  pairs = validate(config)
+  workdir = pathlib.Path(workdir)
+  prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+  started = time.time()
+  out_dir = workdir / "world-clip"
+  web = data.generate(WEB_SEED + config.seed, config.web.size, shift=config.web.shift)
+  held_out = data.generate(WEB_SEED + config.seed + 1, config.eval_pairs, shift=config.web.shift)
+  probe_pool = data.generate(WEB_SEED + config.seed + 2, config.probe.train + config.probe.test)
+  probe_train = data.take(probe_pool, np.arange(config.probe.train))
+  probe_test = data.take(
+    probe_pool, np.arange(config.probe.train, config.probe.train + config.probe.test)
+  )
+
+  text_owner = {}
+  for image_name, text_name in pairs:
+    text_owner.setdefault(text_name, image_name)
+  steps_per_epoch = config.web.size // config.batch_size
+  root = jax.random.key(config.seed)
+  results = {"trivial": trivial_baselines(probe_train, probe_test), "pairs": {}}
+  for i, (image_name, text_name) in enumerate(pairs):
+    pair = f"{image_name}+{text_name}"
+    done = (out_dir / image_name / pretrained.CONFIG_FILE).is_file()
+    if done:  # Resume: this pair was finished by an earlier run.
+      quality = pretrained.read_config(out_dir / image_name)["quality"]
+    else:
+      with MetricWriter(workdir, pair, resume_round=-1) as writer:
+        model = train_pair(
+          config,
+          image_name,
+          text_name,
+          web,
+          jax.random.fold_in(root, i),
+          progress=progress,
+          writer=writer,
+          evaluate_fn=lambda m: evaluate(m, probe_train, probe_test, held_out),
+        )
+      # Measure what is shipped: the parameters after the round trip through the stored dtype.
+      _round_trip(model, config.dtype)
+      quality = evaluate(model, probe_train, probe_test, held_out)
+      steps = epochs_for(config, image_name) * steps_per_epoch
+      _save_pair(
+        config,
+        out_dir,
+        model,
+        image_name,
+        text_name,
+        text_owner[text_name] == image_name,
+        quality,
+        steps,
+      )
+    results["pairs"][pair] = quality
+  results["wall_time_s"] = time.time() - started
+  return _report(workdir, config, pairs, results)
+
+
+def _report(workdir, config, pairs, results) -> dict[str, Any]:
+  cols = [
+    "probe_shape",
+    "probe_colour",
+    "probe_multilabel",
+    "i2t_R@1",
+    "i2t_R@5",
+    "i2t_R@10",
+    "t2i_R@1",
+    "t2i_R@5",
+    "t2i_R@10",
+  ]
+  rows = [
+    [pair, epochs_for(config, pair.split("+")[0]), *(q[c] for c in cols)]
+    for pair, q in results["pairs"].items()
+  ]
+  trivial = results["trivial"]
+  chance_r = {k: 100 * min(1.0, int(k.split("@")[1]) / config.eval_pairs) for k in cols[3:]}
+  rows.append(["trivial baseline / chance", "-", *(trivial.get(c, chance_r.get(c)) for c in cols)])
+  table = report_lib.format_table(
+    ["pair", "epochs", "shape probe", "colour probe", "ML probe (F1)", *cols[3:]],
+    rows,
+    floatfmt=".1f",
+  )
+  summary = (
+    f"{len(pairs)} pairs pretrained CLIP-style on {config.web.size:,} web pairs (shift {config.web.shift}); "
+    f"linear probes fitted on {config.probe.train} private-distribution samples, scored on "
+    f"{config.probe.test}; zero-shot retrieval on {config.eval_pairs} held-out web pairs x 5 captions "
+    f"(i2t: any of the 5 captions; t2i chance R@K = K/{config.eval_pairs}). Trivial baselines: majority "
+    f"class for shape and colour, every label present for multi-label. Wall time {results['wall_time_s']:.0f} s."
+  )
+  report_lib.write_report(
+    workdir / "report.md",
+    title="World-CLIP pretraining",
+    sections=[("Result", summary), ("Quality (%)", table)],
+  )
+  (workdir / "results.json").write_text(json.dumps(results, indent=2))
+  print("\n" + table + "\n\n" + summary)
+  return results
