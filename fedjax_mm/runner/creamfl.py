@@ -40,7 +40,7 @@ from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
-from fedjax_mm.runner.workdir import prepare_workdir
+from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 LOCAL = "local"
@@ -321,89 +321,90 @@ def run(
   """
   clients, states, train_data, server, server_params, public, test, names = build(config)
   workdir = pathlib.Path(workdir)
-  resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-  started = time.time()
-  methods = tuple(config.methods)
-  cc = _cream_config(config)
+  with lock_workdir(workdir):  # One run per workdir; before anything is written.
+    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+    started = time.time()
+    methods = tuple(config.methods)
+    cc = _cream_config(config)
 
-  mesh = core.client_mesh(1)
-  fed = creamfl.creamfl(clients, server, cc)
-  local = creamfl.server_only(server, cc)
-  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-  variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
-  # Each method owns a copy of the same initial state: rounds donate their input.
-  make_states = lambda: {
-    m: jax.tree.map(jnp.copy, fed.init(server_params, states, init_key)) for m in methods
-  }
-  state = {m: s.place(mesh) for m, s in make_states().items()}
+    mesh = core.client_mesh(1)
+    fed = creamfl.creamfl(clients, server, cc)
+    local = creamfl.server_only(server, cc)
+    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+    variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
+    # Each method owns a copy of the same initial state: rounds donate their input.
+    make_states = lambda: {
+      m: jax.tree.map(jnp.copy, fed.init(server_params, states, init_key)) for m in methods
+    }
+    state = {m: s.place(mesh) for m, s in make_states().items()}
 
-  fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
-  local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
+    fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
+    local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
 
-  @jax.jit
-  def embed(params):
-    model = server.merge(params)
-    images = apply_in_batches(lambda x: model.represent(x, "image"), test["image"], 256)
-    texts = apply_in_batches(lambda x: model.represent(x, "text"), test["caption"], 256)
-    return images, texts
+    @jax.jit
+    def embed(params):
+      model = server.merge(params)
+      images = apply_in_batches(lambda x: model.represent(x, "image"), test["image"], 256)
+      texts = apply_in_batches(lambda x: model.represent(x, "text"), test["caption"], 256)
+      return images, texts
 
-  def evaluate(s) -> dict[str, float]:
-    images, texts = embed(s.server_params)
-    recall = metrics.image_text_recall(images, texts, test["ids"], folds=config.test.folds)
-    return {k: float(recall[k]) for k in RECALL_KEYS}
+    def evaluate(s) -> dict[str, float]:
+      images, texts = embed(s.server_params)
+      recall = metrics.image_text_recall(images, texts, test["ids"], folds=config.test.folds)
+      return {k: float(recall[k]) for k in RECALL_KEYS}
 
-  pack = jax.jit(lambda states: {m: _pack(s) for m, s in states.items()})
-  checkpointer = Checkpointer(
-    workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-  )
-  start_round = 0
-  ledgers = {m: ledger_lib.Ledger.zeros(len(names)) for m in methods}
-  if resumed and checkpointer.latest_step() is not None:
-    target = jax.eval_shape(lambda: {m: _pack(s) for m, s in state.items()})
-    packed = checkpointer.restore(target)
-    state = {m: _unpack(packed[m], state[m]).place(mesh) for m in methods}
-    start_round = checkpointer.latest_step()
-    stored = checkpointer.restore_metadata()["ledgers"]
-    ledgers = {m: ledger_lib.Ledger.from_dict(stored[m]) for m in methods}
-  writer = MetricWriter(workdir, "creamfl", resume_round=start_round if resumed else None)
-  history = _load_history(workdir, methods, start_round)
-  up_bytes, down_bytes = _bytes_per_client(config, clients)
+    pack = jax.jit(lambda states: {m: _pack(s) for m, s in states.items()})
+    checkpointer = Checkpointer(
+      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
+    )
+    start_round = 0
+    ledgers = {m: ledger_lib.Ledger.zeros(len(names)) for m in methods}
+    if resumed and checkpointer.latest_step() is not None:
+      target = jax.eval_shape(lambda: {m: _pack(s) for m, s in state.items()})
+      packed = checkpointer.restore(target)
+      state = {m: _unpack(packed[m], state[m]).place(mesh) for m in methods}
+      start_round = checkpointer.latest_step()
+      stored = checkpointer.restore_metadata()["ledgers"]
+      ledgers = {m: ledger_lib.Ledger.from_dict(stored[m]) for m in methods}
+    writer = MetricWriter(workdir, "creamfl", resume_round=start_round if resumed else None)
+    history = _load_history(workdir, methods, start_round)
+    up_bytes, down_bytes = _bytes_per_client(config, clients)
 
-  bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-  results: dict[str, dict[str, float]] = {}
-  for r in bar:
-    evaluate_now = (r + 1) % config.eval_every == 0 or r + 1 == config.rounds
-    scalars = {}
-    for m in methods:
-      if m == LOCAL:
-        state[m], out = local_step(state[m])
-      else:
-        state[m], out = fed_step(state[m], variants[m])
-      _check_finite(m, r, out, names, checkpointer)
-      scalars[f"{m}/server_loss"] = float(out["server_loss"])
-      if m != LOCAL:
-        active = np.concatenate([np.asarray(a) for a in out["active"]])
-        ledgers[m] = ledgers[m].add(
-          up=np.where(active, up_bytes, 0), down=np.where(active, down_bytes, 0), round=r + 1
-        )
-        scalars[f"{m}/kd_loss"] = float(out["kd_loss"])
-      if evaluate_now:
-        results[m] = evaluate(state[m])
-        scalars |= {f"{m}/{k}": v for k, v in results[m].items()}
-        history[m].append((r + 1, _r1_sum(results[m])))
-    writer.write(r + 1, scalars)
-    checkpointer.save(r + 1, pack(state), metadata={"round": r + 1, "ledgers": ledgers})
-    if evaluate_now and hasattr(bar, "set_postfix"):
-      best = max(results, key=lambda m: _r1_sum(results[m]))
-      bar.set_postfix(best=f"{best} {_r1_sum(results[best]):.1f}")
-  checkpointer.wait()
-  checkpointer.close()
-  writer.close()
+    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
+    results: dict[str, dict[str, float]] = {}
+    for r in bar:
+      evaluate_now = (r + 1) % config.eval_every == 0 or r + 1 == config.rounds
+      scalars = {}
+      for m in methods:
+        if m == LOCAL:
+          state[m], out = local_step(state[m])
+        else:
+          state[m], out = fed_step(state[m], variants[m])
+        _check_finite(m, r, out, names, checkpointer)
+        scalars[f"{m}/server_loss"] = float(out["server_loss"])
+        if m != LOCAL:
+          active = np.concatenate([np.asarray(a) for a in out["active"]])
+          ledgers[m] = ledgers[m].add(
+            up=np.where(active, up_bytes, 0), down=np.where(active, down_bytes, 0), round=r + 1
+          )
+          scalars[f"{m}/kd_loss"] = float(out["kd_loss"])
+        if evaluate_now:
+          results[m] = evaluate(state[m])
+          scalars |= {f"{m}/{k}": v for k, v in results[m].items()}
+          history[m].append((r + 1, _r1_sum(results[m])))
+      writer.write(r + 1, scalars)
+      checkpointer.save(r + 1, pack(state), metadata={"round": r + 1, "ledgers": ledgers})
+      if evaluate_now and hasattr(bar, "set_postfix"):
+        best = max(results, key=lambda m: _r1_sum(results[m]))
+        bar.set_postfix(best=f"{best} {_r1_sum(results[best]):.1f}")
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
 
-  if not results:  # A run resumed after its last round evaluates anew.
-    results = {m: evaluate(state[m]) for m in methods}
-  wall = time.time() - started
-  return _report(config, workdir, methods, results, history, ledgers, wall, start_round)
+    if not results:  # A run resumed after its last round evaluates anew.
+      results = {m: evaluate(state[m]) for m in methods}
+    wall = time.time() - started
+    return _report(config, workdir, methods, results, history, ledgers, wall, start_round)
 
 
 def _check_finite(method, r, out, names, checkpointer):

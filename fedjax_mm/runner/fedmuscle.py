@@ -38,7 +38,7 @@ from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
-from fedjax_mm.runner.workdir import prepare_workdir
+from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 #: Task name -> (kind, input key, target key, outputs, head).
@@ -191,100 +191,103 @@ def run(
   """
   users, groups, states, train_data, test_data, public = build(config)  # Validates first.
   workdir = pathlib.Path(workdir)
-  resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-  started = time.time()
+  with lock_workdir(workdir):  # One run per workdir; before anything is written.
+    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+    started = time.time()
 
-  mesh = core.client_mesh(1)
-  mc = _muscle_config(config)
-  algs = {"fedmuscle": fedmuscle.fedmuscle(groups, mc), "local": local_training(groups)}
-  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-  # Each algorithm owns a copy: rounds donate their input state.
-  make_states = lambda: {
-    name: jax.tree.map(jnp.copy, alg.init(states, init_key)) for name, alg in algs.items()
-  }
-  state = {name: s.place(mesh) for name, s in make_states().items()}
+    mesh = core.client_mesh(1)
+    mc = _muscle_config(config)
+    algs = {"fedmuscle": fedmuscle.fedmuscle(groups, mc), "local": local_training(groups)}
+    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+    # Each algorithm owns a copy: rounds donate their input state.
+    make_states = lambda: {
+      name: jax.tree.map(jnp.copy, alg.init(states, init_key)) for name, alg in algs.items()
+    }
+    state = {name: s.place(mesh) for name, s in make_states().items()}
 
-  def step(name):
-    def fn(s):
-      if name == "fedmuscle":
-        s, stats = algs[name].round(s, train_data, public)
-      else:
-        s, stats = algs[name].round(s, train_data)
-      return s, {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
+    def step(name):
+      def fn(s):
+        if name == "fedmuscle":
+          s, stats = algs[name].round(s, train_data, public)
+        else:
+          s, stats = algs[name].round(s, train_data)
+        return s, {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
 
-    return jax.jit(fn, donate_argnums=0)
+      return jax.jit(fn, donate_argnums=0)
 
-  steps = {name: step(name) for name in algs}
-  evaluate = jax.jit(
-    lambda s: [
-      core.evaluate_group(g, gs, d) for g, gs, d in zip(groups, s.groups, test_data, strict=True)
-    ]
-  )
-
-  checkpointer = Checkpointer(
-    workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-  )
-  start_round = 0
-  if resumed and checkpointer.latest_step() is not None:
-    target = {name: s.place(mesh) for name, s in jax.eval_shape(make_states).items()}
-    state = checkpointer.restore(target)
-    start_round = checkpointer.latest_step()
-  writers = {
-    name: MetricWriter(workdir, name, resume_round=start_round if resumed else None)
-    for name in algs
-  }
-  history = _load_history(workdir, users, start_round)
-
-  num_batches = config.public.size // mc.batch_size
-  traffic = _bytes_per_round(config, num_batches)
-  ledger = ledger_lib.Ledger.zeros(len(users))
-  if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
-    ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata()["ledger"])
-  bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-  results = None
-  for r in bar:
-    results = {}
-    for name in algs:
-      state[name], out = steps[name](state[name])
-      finite = np.asarray(out["finite"])
-      if not finite.all():
-        bad = [users[i].name for i in np.flatnonzero(~finite)]
-        raise NonFiniteError(
-          f"{name} round {r + 1}: a client update produced NaN/Inf for {', '.join(bad)}; "
-          f"the last good checkpoint (round {checkpointer.latest_step()}) is intact."
-        )
-      results[name] = _user_metrics(evaluate(state[name]), groups)
-      scalars = {
-        f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(results[name])
-      }
-      if out["cl_loss"] is not None:
-        scalars |= {
-          f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(np.asarray(out["cl_loss"]))
-        }
-      writers[name].write(r + 1, scalars)
-    delta, _ = _delta(results["fedmuscle"], results["local"])
-    writers["fedmuscle"].write(r + 1, {"delta": delta})
-    for name in algs:
-      for i, v in enumerate(results[name]):
-        history[name][i].append((r + 1, v))
-    history["delta"].append((r + 1, delta))
-    up = np.full(len(users), traffic["up"])
-    ledger = ledger.add(
-      up=up, down=np.full(len(users), traffic[f"down_{mc.downlink}"]), round=r + 1
+    steps = {name: step(name) for name in algs}
+    evaluate = jax.jit(
+      lambda s: [
+        core.evaluate_group(g, gs, d) for g, gs, d in zip(groups, s.groups, test_data, strict=True)
+      ]
     )
-    checkpointer.save(r + 1, state, metadata={"round": r + 1, "delta": delta, "ledger": ledger})
-    if hasattr(bar, "set_postfix"):
-      bar.set_postfix(delta=f"{100 * delta:+.1f}%")
-  checkpointer.wait()
-  checkpointer.close()
-  for w in writers.values():
-    w.close()
 
-  # The last round's evaluation is final; only a run resumed after its last round evaluates anew.
-  final = results or {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
-  totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
-  wall = time.time() - started
-  return _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round)
+    checkpointer = Checkpointer(
+      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
+    )
+    start_round = 0
+    if resumed and checkpointer.latest_step() is not None:
+      target = {name: s.place(mesh) for name, s in jax.eval_shape(make_states).items()}
+      state = checkpointer.restore(target)
+      start_round = checkpointer.latest_step()
+    writers = {
+      name: MetricWriter(workdir, name, resume_round=start_round if resumed else None)
+      for name in algs
+    }
+    history = _load_history(workdir, users, start_round)
+
+    num_batches = config.public.size // mc.batch_size
+    traffic = _bytes_per_round(config, num_batches)
+    ledger = ledger_lib.Ledger.zeros(len(users))
+    if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
+      ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata()["ledger"])
+    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
+    results = None
+    for r in bar:
+      results = {}
+      for name in algs:
+        state[name], out = steps[name](state[name])
+        finite = np.asarray(out["finite"])
+        if not finite.all():
+          bad = [users[i].name for i in np.flatnonzero(~finite)]
+          raise NonFiniteError(
+            f"{name} round {r + 1}: a client update produced NaN/Inf for {', '.join(bad)}; "
+            f"the last good checkpoint (round {checkpointer.latest_step()}) is intact."
+          )
+        results[name] = _user_metrics(evaluate(state[name]), groups)
+        scalars = {
+          f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(results[name])
+        }
+        if out["cl_loss"] is not None:
+          scalars |= {
+            f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(np.asarray(out["cl_loss"]))
+          }
+        writers[name].write(r + 1, scalars)
+      delta, _ = _delta(results["fedmuscle"], results["local"])
+      writers["fedmuscle"].write(r + 1, {"delta": delta})
+      for name in algs:
+        for i, v in enumerate(results[name]):
+          history[name][i].append((r + 1, v))
+      history["delta"].append((r + 1, delta))
+      up = np.full(len(users), traffic["up"])
+      ledger = ledger.add(
+        up=up, down=np.full(len(users), traffic[f"down_{mc.downlink}"]), round=r + 1
+      )
+      checkpointer.save(r + 1, state, metadata={"round": r + 1, "delta": delta, "ledger": ledger})
+      if hasattr(bar, "set_postfix"):
+        bar.set_postfix(delta=f"{100 * delta:+.1f}%")
+    checkpointer.wait()
+    checkpointer.close()
+    for w in writers.values():
+      w.close()
+
+    # The last round's evaluation is final; only a run resumed after its last round evaluates anew.
+    final = results or {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
+    totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
+    wall = time.time() - started
+    return _report(
+      config, workdir, users, groups, final, history, traffic, totals, wall, start_round
+    )
 
 
 def _delta(alg: Sequence[float], local: Sequence[float]) -> tuple[float, list[int]]:

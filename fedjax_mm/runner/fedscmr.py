@@ -55,7 +55,7 @@ from fedjax_mm.data.cross_modal import PairedFeatures, class_demand, class_subse
 from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
-from fedjax_mm.runner.workdir import prepare_workdir
+from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 #: System id -> name in the tables.
@@ -352,89 +352,90 @@ def run(
   """
   group, init_state, train, test, num_classes, classes = build(config)  # Validates first.
   workdir = pathlib.Path(workdir)
-  resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-  started = time.time()
-  names = [c["name"] for c in config.clients]
-  methods = tuple(config.methods)
-  ns = tuple(int(n) for n in config.ns)
+  with lock_workdir(workdir):  # One run per workdir; before anything is written.
+    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+    started = time.time()
+    names = [c["name"] for c in config.clients]
+    methods = tuple(config.methods)
+    ns = tuple(int(n) for n in config.ns)
 
-  mesh = core.client_mesh(1)
-  algs = {m: alg_lib.fedscmr(group, method_config(config, m, num_classes)) for m in methods}
-  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-  # Each system owns a copy: rounds donate their input state.
-  make_states = lambda: {
-    m: jax.tree.map(jnp.copy, alg.init(init_state, init_key)) for m, alg in algs.items()
-  }
-  state = {m: s.place(mesh) for m, s in make_states().items()}
+    mesh = core.client_mesh(1)
+    algs = {m: alg_lib.fedscmr(group, method_config(config, m, num_classes)) for m in methods}
+    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+    # Each system owns a copy: rounds donate their input state.
+    make_states = lambda: {
+      m: jax.tree.map(jnp.copy, alg.init(init_state, init_key)) for m, alg in algs.items()
+    }
+    state = {m: s.place(mesh) for m, s in make_states().items()}
 
-  def step(m):
-    def fn(s):
-      s, stats = algs[m].round(s, train)
-      return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
+    def step(m):
+      def fn(s):
+        s, stats = algs[m].round(s, train)
+        return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
 
-    return jax.jit(fn, donate_argnums=0)
+      return jax.jit(fn, donate_argnums=0)
 
-  steps = {m: step(m) for m in methods}
-  evaluate = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+    steps = {m: step(m) for m in methods}
+    evaluate = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
 
-  checkpointer = Checkpointer(
-    workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-  )
-  start_round = 0
-  if resumed and checkpointer.latest_step() is not None:
-    target = {m: s.place(mesh) for m, s in jax.eval_shape(make_states).items()}
-    state = checkpointer.restore(target)
-    start_round = checkpointer.latest_step()
-  writers = _open_writers(workdir, methods, start_round if resumed else None)
-  history = _load_history(workdir, methods, names, start_round, ns[-1])
+    checkpointer = Checkpointer(
+      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
+    )
+    start_round = 0
+    if resumed and checkpointer.latest_step() is not None:
+      target = {m: s.place(mesh) for m, s in jax.eval_shape(make_states).items()}
+      state = checkpointer.restore(target)
+      start_round = checkpointer.latest_step()
+    writers = _open_writers(workdir, methods, start_round if resumed else None)
+    history = _load_history(workdir, methods, names, start_round, ns[-1])
 
-  bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-  final, weights = None, {}
-  for r in bar:
-    final = {}
-    for m in methods:
-      state[m], out = steps[m](state[m])
-      finite = np.asarray(out["finite"])
-      if not finite.all():
-        bad = [names[i] for i in np.flatnonzero(~finite)]
-        raise NonFiniteError(
-          f"{m} round {r + 1}: a client update produced NaN/Inf for client "
-          f"{', '.join(bad)}; the last good checkpoint (round {checkpointer.latest_step()}) "
-          "is intact."
-        )
-      final[m] = _client_metrics(evaluate(state[m]), names)
-      weights[m] = [float(w) for w in np.asarray(out["weight"])]
-      scalars = {}
-      for i, name in enumerate(names):
-        scalars |= {f"{name}/{k}": v for k, v in final[m][name].items()}
-        scalars[f"{name}/train_loss"] = float(out["loss"][i])
-        scalars[f"{name}/train_map"] = float(out["map"][i])
-        scalars[f"{name}/weight"] = weights[m][i]
-      writers[m].write(r + 1, scalars)
-      for name in names:
-        history[m][name].append((r + 1, _headline({name: final[m][name]}, ns[-1])))
-    checkpointer.save(r + 1, state, metadata={"round": r + 1, "weights": weights})
-    if hasattr(bar, "set_postfix") and "fedscmr" in final:
-      bar.set_postfix({f"FedSCMR mAP@{ns[-1]}": f"{_headline(final['fedscmr'], ns[-1]):.3f}"})
-  checkpointer.wait()
-  if final is None:  # Resumed after the last round: evaluate the restored states.
-    final = {m: _client_metrics(evaluate(state[m]), names) for m in methods}
-    weights = checkpointer.restore_metadata().get("weights", {})
-  checkpointer.close()
-  for w in writers.values():
-    w.close()
-  wall = time.time() - started
-  result = {
-    "clients": names,
-    "classes": {n: [int(c) for c in cs] for n, cs in zip(names, classes, strict=True)},
-    "methods": final,
-    "last_weights": weights,
-    "ns": list(ns),
-    "rounds": config.rounds,
-    "seed": config.seed,
-    "wall_time_s": wall,
-  }
-  return _report(config, workdir, result, history, start_round)
+    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
+    final, weights = None, {}
+    for r in bar:
+      final = {}
+      for m in methods:
+        state[m], out = steps[m](state[m])
+        finite = np.asarray(out["finite"])
+        if not finite.all():
+          bad = [names[i] for i in np.flatnonzero(~finite)]
+          raise NonFiniteError(
+            f"{m} round {r + 1}: a client update produced NaN/Inf for client "
+            f"{', '.join(bad)}; the last good checkpoint (round {checkpointer.latest_step()}) "
+            "is intact."
+          )
+        final[m] = _client_metrics(evaluate(state[m]), names)
+        weights[m] = [float(w) for w in np.asarray(out["weight"])]
+        scalars = {}
+        for i, name in enumerate(names):
+          scalars |= {f"{name}/{k}": v for k, v in final[m][name].items()}
+          scalars[f"{name}/train_loss"] = float(out["loss"][i])
+          scalars[f"{name}/train_map"] = float(out["map"][i])
+          scalars[f"{name}/weight"] = weights[m][i]
+        writers[m].write(r + 1, scalars)
+        for name in names:
+          history[m][name].append((r + 1, _headline({name: final[m][name]}, ns[-1])))
+      checkpointer.save(r + 1, state, metadata={"round": r + 1, "weights": weights})
+      if hasattr(bar, "set_postfix") and "fedscmr" in final:
+        bar.set_postfix({f"FedSCMR mAP@{ns[-1]}": f"{_headline(final['fedscmr'], ns[-1]):.3f}"})
+    checkpointer.wait()
+    if final is None:  # Resumed after the last round: evaluate the restored states.
+      final = {m: _client_metrics(evaluate(state[m]), names) for m in methods}
+      weights = checkpointer.restore_metadata().get("weights", {})
+    checkpointer.close()
+    for w in writers.values():
+      w.close()
+    wall = time.time() - started
+    result = {
+      "clients": names,
+      "classes": {n: [int(c) for c in cs] for n, cs in zip(names, classes, strict=True)},
+      "methods": final,
+      "last_weights": weights,
+      "ns": list(ns),
+      "rounds": config.rounds,
+      "seed": config.seed,
+      "wall_time_s": wall,
+    }
+    return _report(config, workdir, result, history, start_round)
 
 
 def _open_writers(workdir, methods, resume_round):

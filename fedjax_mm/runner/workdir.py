@@ -36,6 +36,15 @@ Design choices:
 * **Atomic config write.** ``config.json`` is written to a temporary file and
   renamed, so a crash never leaves a half-written config that would block the
   next launch.
+* **One run per workdir.** :func:`lock_workdir` holds ``<workdir>/.lock``
+  (created with ``O_CREAT | O_EXCL``, so exactly one process wins) for the
+  whole run. Two runs writing one workdir would interleave ``metrics.jsonl``
+  and race on the checkpoints; the second launch is refused in one line before
+  it writes anything. A lock whose process has died (killed, preempted, the
+  machine rebooted) is taken over, so a relaunch after a crash needs no manual
+  cleanup. :func:`prepare_workdir` does not count the lock as content, and
+  with ``overwrite`` the lock of this process stays with the workdir's name,
+  not with the folder moved aside.
 
 This module is host-side bookkeeping and imports neither jax nor numpy. In a
 multi-process job only process 0 should call :func:`prepare_workdir`; the
@@ -44,24 +53,40 @@ others may wait on a barrier and then read the result from the file system.
 Typical use::
 
   config_dict = config.to_dict()            # ml_collections.ConfigDict -> dict
-  resumed = prepare_workdir(workdir, config_dict, overwrite=FLAGS.overwrite)
-  if resumed:
-    ...  # restore the latest checkpoint, if any (a crash may precede the first one)
+  with lock_workdir(workdir):               # after validation, before any write
+    resumed = prepare_workdir(workdir, config_dict, overwrite=FLAGS.overwrite)
+    if resumed:
+      ...  # restore the latest checkpoint, if any (a crash may precede the first one)
+    ...  # the whole run
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import logging
 import os
-from collections.abc import Mapping
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_FILE", "WorkdirError", "config_diff", "prepare_workdir"]
+__all__ = [
+  "CONFIG_FILE",
+  "LOCK_FILE",
+  "WorkdirError",
+  "config_diff",
+  "lock_workdir",
+  "prepare_workdir",
+]
 
 #: Name of the config file inside a workdir.
 CONFIG_FILE = "config.json"
+#: Name of the lock file inside a workdir (see :func:`lock_workdir`).
+LOCK_FILE = ".lock"
 
 # How many differing keys a WorkdirError names before "... and N more".
 _MAX_KEYS_IN_MESSAGE = 3
@@ -69,6 +94,14 @@ _MAX_KEYS_IN_MESSAGE = 3
 _MAX_VALUE_CHARS = 60
 
 _MISSING = object()
+
+# A lock file is created empty and then filled in; a reader that finds it empty
+# waits this long for the content before calling it unreadable.
+_LOCK_READ_PATIENCE_S = 1.0
+# Lost races (another process took a stale lock first) before giving up.
+_LOCK_ATTEMPTS = 5
+
+_log = logging.getLogger(__name__)
 
 
 class WorkdirError(ValueError):
@@ -148,6 +181,30 @@ def _aside_name(workdir: Path) -> Path:
   return candidate
 
 
+def _refuse_file(workdir: Path) -> None:
+  if workdir.exists() and not workdir.is_dir():
+    raise WorkdirError(f"--workdir {workdir} is a file, not a folder; choose another --workdir.")
+
+
+def _carry_own_lock(aside: Path, workdir: Path) -> None:
+  """Moves this process's lock from the folder just moved aside back into ``workdir``.
+
+  ``os.link`` fails if ``workdir/.lock`` exists, so a process that locked the
+  new folder in the instant it did not exist keeps it and this run stops.
+  """
+  holder = _read_lock(aside / LOCK_FILE, patience_s=0.0)
+  if not holder or holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+    return
+  try:
+    os.link(aside / LOCK_FILE, workdir / LOCK_FILE)
+  except FileExistsError:
+    raise WorkdirError(
+      f"--workdir {workdir} was locked by another run while its old content moved to {aside}; "
+      "choose another --workdir."
+    ) from None
+  (aside / LOCK_FILE).unlink()
+
+
 def _write_config(workdir: Path, text: str) -> None:
   """Writes ``config.json`` atomically (temporary file, then rename)."""
   target = workdir / CONFIG_FILE
@@ -167,6 +224,8 @@ def prepare_workdir(
   ``overwrite`` says; anything else is refused, unless ``overwrite=True``, in
   which case the old folder is **moved aside** to
   ``<workdir>.old-<YYYYmmdd-HHMMSS>`` (never deleted) and a fresh run starts.
+  ``.lock`` (:func:`lock_workdir`) is not content: a folder holding only it
+  counts as empty, and a lock of this process stays in ``workdir``.
 
   Args:
     workdir: the run's folder; parents are created as needed.
@@ -190,10 +249,9 @@ def prepare_workdir(
   canonical = _canonical(config)
   pretty = json.dumps(json.loads(canonical), sort_keys=True, indent=2)
 
-  if workdir.exists() and not workdir.is_dir():
-    raise WorkdirError(f"--workdir {workdir} is a file, not a folder; choose another --workdir.")
+  _refuse_file(workdir)
 
-  if workdir.is_dir() and any(workdir.iterdir()):
+  if workdir.is_dir() and any(p.name != LOCK_FILE for p in workdir.iterdir()):
     config_path = workdir / CONFIG_FILE
     problem: str
     if config_path.is_file():
@@ -217,8 +275,180 @@ def prepare_workdir(
         f"--workdir {workdir} {problem}; pass --overwrite to move it aside and start "
         "afresh, or choose another --workdir."
       )
-    workdir.rename(_aside_name(workdir))
+    aside = _aside_name(workdir)
+    workdir.rename(aside)
+    workdir.mkdir(parents=True)
+    _carry_own_lock(aside, workdir)
 
   workdir.mkdir(parents=True, exist_ok=True)
   _write_config(workdir, pretty)
   return False
+
+
+# ---------------------------------------------------------------------------
+# The workdir lock
+
+
+def _process_start(pid: int) -> int | None:
+  """The start time of process ``pid`` in clock ticks since boot, or None (not Linux).
+
+  A pid alone names a process only while it lives: after a crash and a reboot,
+  the dead run's pid may belong to an unrelated process. The pair (pid, start
+  time) does not recur.
+  """
+  try:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return None
+  # Fields after the command name, which may itself hold spaces and parentheses.
+  fields = stat[stat.rindex(")") + 2 :].split()
+  return None if fields[0] == "Z" else int(fields[19])  # state, ..., starttime (field 22)
+
+
+def _is_alive(holder: Mapping[str, Any]) -> bool:
+  """Whether the process recorded in a lock may still run (True when unsure)."""
+  if holder.get("host") != socket.gethostname():
+    return True  # Another machine's processes cannot be checked from here.
+  pid = holder.get("pid")
+  if not isinstance(pid, int) or pid <= 0:
+    return True
+  try:
+    os.kill(pid, 0)  # Signal 0: only checks that the process exists.
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # It exists, under another user.
+  if Path("/proc").is_dir() and Path(f"/proc/{pid}").is_dir():
+    start = _process_start(pid)
+    if start is None:  # A zombie: it has exited, its parent has not reaped it yet.
+      return False
+    return holder.get("start") in (None, start)
+  return True
+
+
+def _read_lock(path: Path, *, patience_s: float = _LOCK_READ_PATIENCE_S) -> dict[str, Any] | None:
+  """The lock's record, None if there is no lock; ``{}`` if it stays unreadable."""
+  deadline = time.monotonic() + patience_s
+  while True:
+    try:
+      text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+      return None
+    try:
+      record = json.loads(text)
+      if isinstance(record, dict):
+        return record
+    except ValueError:
+      pass
+    # Empty or partial: its creator may be writing it right now.
+    if time.monotonic() >= deadline:
+      return {}
+    time.sleep(0.05)
+
+
+def _create_lock(path: Path, record: Mapping[str, Any]) -> bool:
+  """Creates ``path`` holding ``record`` if it does not exist (atomically); False if it does."""
+  try:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    json.dump(record, f)
+    f.write("\n")
+  return True
+
+
+def _take_over(path: Path, stale: Mapping[str, Any], token: str) -> None:
+  """Removes the stale lock ``stale`` at ``path``, unless another process replaced it.
+
+  Two relaunches may find the same stale lock. Each renames it to a name of its
+  own (atomic: one wins) and deletes it only if it is still the stale record; a
+  fresh lock grabbed by mistake (created by the winner meanwhile) is linked
+  back, then both race again on ``O_EXCL``.
+  """
+  grabbed = path.with_name(f"{LOCK_FILE}.stale-{token}")
+  try:
+    os.rename(path, grabbed)
+  except FileNotFoundError:
+    return  # Someone else removed it first.
+  if _read_lock(grabbed, patience_s=0.0) != stale:
+    with contextlib.suppress(FileExistsError):
+      os.link(grabbed, path)
+  grabbed.unlink()
+
+
+@contextlib.contextmanager
+def lock_workdir(workdir: str | os.PathLike[str]) -> Iterator[Path]:
+  """Holds ``<workdir>/.lock`` for the duration of a ``with`` block: one run per workdir.
+
+  The lock is a file created with ``O_CREAT | O_EXCL`` (atomic on local and
+  NFSv3+ file systems) holding this process's pid, host name, start time and a
+  random token. Take it after validating the config and before
+  :func:`prepare_workdir`, so that a refused launch writes nothing, and hold it
+  until the run has written its last file. The workdir (and its parents) is
+  created if missing.
+
+  A lock held by a live process refuses at once. A lock whose process is gone
+  (same host, pid absent or a zombie, or a pid reused by a process that started
+  later) is taken over with an INFO log line. A lock from another host is
+  never taken over: its process cannot be checked from here.
+
+  Args:
+    workdir: the run's folder.
+
+  Yields:
+    ``workdir`` as a :class:`~pathlib.Path`.
+
+  Raises:
+    WorkdirError: ``workdir`` is a file; or another live process holds it (the
+      message names the pid and host and says what to do); or its lock file
+      is unreadable.
+  """
+  workdir = Path(workdir).expanduser()
+  _refuse_file(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  path = workdir / LOCK_FILE
+  token = uuid.uuid4().hex
+  record = {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "start": _process_start(os.getpid()),
+    "since": datetime.datetime.now().isoformat(timespec="seconds"),
+    "token": token,
+  }
+  for _ in range(_LOCK_ATTEMPTS):
+    if _create_lock(path, record):
+      break
+    holder = _read_lock(path)
+    if holder is None:
+      continue  # Released between our attempt and the read.
+    if not holder:
+      raise WorkdirError(
+        f"--workdir {workdir} holds an unreadable lock file {path}; if no run is using this "
+        "workdir, delete that file, or choose another --workdir."
+      )
+    if _is_alive(holder):
+      pid, host = holder.get("pid"), holder.get("host")
+      remedy = (
+        "wait for that run to end or stop it"
+        if host == socket.gethostname()
+        else f"if that run is over, delete {path}"
+      )
+      raise WorkdirError(
+        f"--workdir {workdir} is in use by pid {pid} on host {host} "
+        f"(since {holder.get('since')}); {remedy}, or choose another --workdir."
+      )
+    _log.info(
+      "workdir %s: taking over the lock of pid %s, which is no longer running",
+      workdir,
+      holder.get("pid"),
+    )
+    _take_over(path, holder, token)
+  else:
+    raise WorkdirError(f"--workdir {workdir}: other runs keep taking its lock; try again.")
+  try:
+    yield workdir
+  finally:
+    # Only our own lock: never one that replaced it (e.g. after a manual delete).
+    if (_read_lock(path, patience_s=0.0) or {}).get("token") == token:
+      path.unlink()
