@@ -4,7 +4,8 @@ r"""Runs an experiment from a config file.
 
 The loop lives in the library (``fedjax_mm.runner``); this file only parses
 flags. A bad config or workdir is reported in one line on stderr with exit
-status 2, before any compilation.
+status 2, before any compilation; so are a run that produced NaN/Inf and a
+workdir whose checkpoints are all damaged.
 """
 
 import pathlib
@@ -14,6 +15,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from fedjax_mm.core.checkpoint import CheckpointError
 from fedjax_mm.runner import creamfl as creamfl_runner
 from fedjax_mm.runner import fedmuscle as fedmuscle_runner
 from fedjax_mm.runner import fedscmr as fedscmr_runner
@@ -56,7 +58,7 @@ def main(argv):
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   try:
     RUNNERS[name](_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
-  except (ConfigError, WorkdirError, NonFiniteError) as e:
+  except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 

@@ -1,6 +1,10 @@
-"""Tests for the Orbax checkpointer: round trips, shardings, typed keys, atomicity."""
+"""Tests for the Orbax checkpointer: round trips, shardings, typed keys, atomicity, damage."""
 
+import json
+import logging
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fedjax_mm.core.checkpoint import Checkpointer
+from fedjax_mm.core.checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from fedjax_mm.core.ledger import Ledger
 
 K = 8  # One client per fake device.
@@ -239,7 +243,7 @@ def test_crash_mid_save_keeps_previous_step(tmp_path):
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from fedjax_mm.core.checkpoint import Checkpointer
+    from fedjax_mm.core.checkpoint import CheckpointError, Checkpointer, DamagedCheckpointError
 
     ckpt = Checkpointer({str(tmp_path)!r})
     ckpt.save(1, {{"x": jnp.full((64,), 1.0), "round": 1}})
@@ -270,3 +274,173 @@ def test_crash_mid_save_keeps_previous_step(tmp_path):
     ckpt.save(2, {"x": jnp.full((64,), 2.0), "round": 2})
     ckpt.wait()
     assert ckpt.latest_step() == 2
+
+
+# ---------------------------------------------------------------------------
+# Damaged checkpoints
+
+
+def _flip_array_bytes(step_dir: pathlib.Path) -> None:
+  """Flips one byte in the middle of the biggest chunk file Orbax wrote for the state.
+
+  With the 64 KiB of noise in every saved state, that file holds the noise's
+  compressed chunk; Orbax decodes the flipped chunk without complaint and
+  returns wrong numbers, which only the checksums reveal.
+  """
+  files = list((step_dir / "state" / "ocdbt.process_0" / "d").iterdir())
+  biggest = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(biggest.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  biggest.write_bytes(bytes(data))
+
+
+def _damage(step_dir: pathlib.Path, how: str) -> None:
+  if how == "flipped array bytes":
+    _flip_array_bytes(step_dir)
+  elif how == "missing manifest":
+    (step_dir / "state" / "manifest.ocdbt").unlink()
+  elif how == "missing checksums":
+    shutil.rmtree(step_dir / "checksums")
+  elif how == "truncated metadata":
+    path = step_dir / "metadata" / "metadata"
+    path.write_bytes(path.read_bytes()[:5])
+  elif how == "altered metadata":  # Still valid JSON: only the checksum tells.
+    path = step_dir / "metadata" / "metadata"
+    path.write_text(path.read_text().replace('"round": 3', '"round": 4'))
+  else:
+    raise ValueError(how)
+
+
+def _with_noise(state: State, seed: int) -> dict:
+  """``state`` plus 64 KiB of incompressible noise: a chunk big enough to corrupt silently."""
+  noise = np.random.default_rng(seed).standard_normal(16384).astype(np.float32)
+  return {"fed": state, "noise": jnp.asarray(noise)}
+
+
+def _target() -> dict:
+  return {"fed": init_state(), "noise": jax.ShapeDtypeStruct((16384,), jnp.float32)}
+
+
+def _save_rounds(directory, rounds=(1, 2, 3)) -> dict[int, dict]:
+  states, state = {}, init_state()
+  with Checkpointer(directory, max_to_keep=None) as ckpt:
+    for r in rounds:
+      state = advance(state)
+      states[r] = _with_noise(state, r)
+      ckpt.save(r, states[r], metadata={"round": r})
+  return states
+
+
+def test_flipped_array_bytes_fail_the_checksum(tmp_path):
+  states = _save_rounds(tmp_path)
+  _flip_array_bytes(tmp_path / "3")
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(
+      DamagedCheckpointError, match=r"array \['noise'\] of step 3 reads back .* crc32"
+    ):
+      ckpt.restore(_target())
+    assert_bit_identical(states[2], ckpt.restore(_target(), step=2))  # Others are intact.
+
+
+@pytest.mark.parametrize(
+  "how",
+  [
+    "flipped array bytes",
+    "missing manifest",
+    "missing checksums",
+    "truncated metadata",
+    "altered metadata",
+  ],
+)
+def test_restore_latest_good_sets_the_damaged_step_aside(tmp_path, caplog, how):
+  states = _save_rounds(tmp_path)
+  _damage(tmp_path / "3", how)
+  damaged_files = {
+    p.relative_to(tmp_path / "3"): p.read_bytes()
+    for p in (tmp_path / "3").rglob("*")
+    if p.is_file()
+  }
+  with caplog.at_level(logging.WARNING), Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+    step, state = ckpt.restore_latest_good(_target())
+    assert step == 2
+    assert_bit_identical(states[2], state)
+    assert ckpt.restore_metadata(step) == {"round": 2}
+    assert ckpt.all_steps() == [1, 2]
+    # The run goes on and saves round 3 again, then more: Orbax's garbage
+    # collection (max_to_keep=2) never touches the folder set aside.
+    for r in (3, 4, 5):
+      ckpt.save(r, states[3], metadata={"round": r})
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 5]
+  (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("3.damaged-")]
+  # Set aside, not deleted: every file is still there, as it was.
+  assert {
+    p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()
+  } == damaged_files
+  (line,) = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+  assert line.startswith("checkpoint of round 3 is damaged (")
+  assert f"set aside as {aside}; resuming from round 2" in line and "\n" not in line
+
+
+def test_no_intact_step_is_an_error_that_moves_nothing(tmp_path):
+  _save_rounds(tmp_path, rounds=(1, 2))
+  _damage(tmp_path / "2", "flipped array bytes")
+  _damage(tmp_path / "1", "missing manifest")
+  before = sorted(p.name for p in tmp_path.iterdir())
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CheckpointError) as info:
+      ckpt.restore_latest_good(_target())
+  message = str(info.value)
+  assert "no intact checkpoint" in message and "\n" not in message
+  assert "round 2: DamagedCheckpointError" in message and "round 1: " in message
+  assert f"move {tmp_path} aside" in message
+  assert sorted(p.name for p in tmp_path.iterdir()) == before
+  with Checkpointer(tmp_path / "none") as ckpt:
+    assert ckpt.restore_latest_good(_target()) is None  # No checkpoint is not an error.
+
+
+def test_a_step_saved_without_checksums_is_read_unverified(tmp_path):
+  """Steps written before checksums existed: Orbax's step metadata lists no such item."""
+  states = _save_rounds(tmp_path, rounds=(1,))
+  step_dir = tmp_path / "1"
+  meta = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+  del meta["item_handlers"]["checksums"]
+  (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+  shutil.rmtree(step_dir / "checksums")
+  with Checkpointer(tmp_path) as ckpt:
+    assert_bit_identical(states[1], ckpt.restore(_target()))
+    assert ckpt.restore_metadata() == {"round": 1}
+
+
+def test_failed_reads_leave_no_tracebacks_at_exit(tmp_path):
+  """Orbax's failed reads spill "Event loop is closed" tracebacks unless silenced."""
+  script = textwrap.dedent(
+    f"""
+    import os, pathlib, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp
+    from fedjax_mm.core.checkpoint import CheckpointError, Checkpointer
+
+    root = pathlib.Path({str(tmp_path)!r})
+    x = {{"x": jnp.arange(4096.0), "y": jnp.ones((64, 64)), "z": jnp.zeros(7, jnp.int32)}}
+    ckpt = Checkpointer(root, max_to_keep=None)
+    for step in (1, 2, 3):
+      ckpt.save(step, x)
+    ckpt.wait()
+    for step in (1, 2, 3):
+      (root / str(step) / "state" / "manifest.ocdbt").write_bytes(b"garbage")
+    for _ in range(6):  # Each failed read may spill its own; six make one near certain.
+      try:
+        ckpt.restore_latest_good(jax.eval_shape(lambda: x))
+      except CheckpointError as e:
+        print("refused", file=sys.stderr)
+    ckpt.close()
+    """
+  )
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=300)
+  stderr = result.stderr.decode()
+  assert result.returncode == 0, stderr[-3000:]
+  assert stderr.count("refused") == 6, stderr[-3000:]
+  assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]

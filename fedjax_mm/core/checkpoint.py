@@ -13,6 +13,8 @@ Layout on disk (one ``orbax.checkpoint.CheckpointManager`` directory)::
 
   <directory>/<step>/state/      # the pytree, Orbax StandardSave (OCDBT/Zarr)
   <directory>/<step>/metadata/   # the JSON document, Orbax JsonSave
+  <directory>/<step>/checksums/  # CRC-32 of every array and of the document, JsonSave
+  <directory>/<step>.damaged-<YYYYmmdd-HHMMSS>/   # a step set aside, see below
 
 Guarantees and choices:
 
@@ -52,15 +54,35 @@ Guarantees and choices:
   Python numbers/lists, and any object with a ``to_dict()`` method (an
   ``ml_collections.ConfigDict``, a :class:`~fedjax_mm.core.ledger.Ledger`) is
   stored as that dict.
+* **Verified reads.** A flipped bit in an array file goes unnoticed by Orbax:
+  the chunk decodes and the restore returns wrong numbers (tested), which a
+  resumed run would train on silently. :meth:`save` therefore records a CRC-32
+  of every array leaf's bytes (computed on the host before the save starts)
+  and of the JSON document, in the step's ``checksums`` item, written by Orbax
+  in the same atomic step. :meth:`restore` and :meth:`restore_metadata` check
+  what they read against it and raise :class:`DamagedCheckpointError` on a
+  mismatch. CRC-32 detects accidental damage (disk, copy, truncation), not
+  tampering, at about 4 GB/s. Steps written before checksums existed (Orbax's
+  step metadata lists no ``checksums`` item) are read unverified. Leaves not fully addressable by this
+  process (multi-host arrays) are not checksummed.
+* **Damaged steps are set aside, never deleted.**
+  :meth:`restore_latest_good` tries the steps newest first; a step that fails
+  to read (an exception, missing files, a checksum mismatch) is renamed to
+  ``<step>.damaged-<timestamp>``, a name Orbax neither lists nor garbage
+  collects, with one WARNING line per step, and the run resumes from the
+  newest intact step. When no step is intact nothing is renamed and
+  :class:`CheckpointError` says so: a relaunch must not silently restart from
+  round 0 over a run whose every checkpoint is unreadable.
 
 Typical use (big_vision's order: resume first when the workdir holds a
 checkpoint)::
 
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   abstract = jax.eval_shape(init_fn, rng)          # optionally with shardings
-  if ckpt.latest_step() is not None:
-    state = ckpt.restore(abstract)
-    meta = ckpt.restore_metadata()
+  start = 0
+  if (restored := ckpt.restore_latest_good(abstract)) is not None:
+    start, state = restored
+    meta = ckpt.restore_metadata(start)            # the same step's document
   else:
     state = init_fn(rng)
   for r in range(start, num_rounds):
@@ -71,8 +93,12 @@ checkpoint)::
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 import os
+import sys
+import zlib
 from typing import Any
 
 import jax
@@ -81,13 +107,30 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError"]
 
 _STATE = "state"
 _METADATA = "metadata"
+_CHECKSUMS = "checksums"
+# Longest exception text quoted in a one-line message about a damaged step.
+_MAX_REASON_CHARS = 160
 # Written by the CheckpointManager into a step directory before it is
 # finalised (renamed or committed); its presence marks a complete step.
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+
+
+_log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint can be resumed from; the message is one line and says what to do.
+
+  ``experiments/main.py`` prints it as ``error: ...`` and exits with status 2.
+  """
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A step reads back different from what was written (checksum mismatch)."""
 
 
 def _to_json(obj: Any) -> Any:
@@ -112,6 +155,74 @@ def _target_sharding(leaf: Any) -> jax.sharding.Sharding | None:
   if isinstance(leaf, jax.Array):
     return leaf.sharding if leaf.committed else None
   return getattr(leaf, "sharding", None)
+
+
+def _crc32(data: np.ndarray | bytes) -> int:
+  if isinstance(data, np.ndarray):
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  return zlib.crc32(data)
+
+
+def _document_crc32(document: Any) -> int:
+  """CRC-32 of a JSON document in canonical form (sorted keys, compact)."""
+  return _crc32(json.dumps(document, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _array_checksums(tree: Any) -> dict[str, dict[str, Any]]:
+  """``{keystr(path): {"dtype", "shape", "crc32"}}`` of every array leaf of ``tree``.
+
+  Typed PRNG keys are summed as their key data. Python scalars are skipped, as
+  are arrays this process cannot read whole (multi-host). One ``device_get``
+  for all leaves, so that accelerator arrays are copied in parallel.
+  """
+  paths, arrays = [], []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, jax.Array):
+      if not leaf.is_fully_addressable:
+        continue
+      if _is_prng_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    elif not isinstance(leaf, np.ndarray):
+      continue
+    paths.append(jax.tree_util.keystr(path))
+    arrays.append(leaf)
+  return {
+    path: {"dtype": str(x.dtype), "shape": list(x.shape), "crc32": _crc32(np.asarray(x))}
+    for path, x in zip(paths, jax.device_get(arrays), strict=True)
+  }
+
+
+def _reason(error: BaseException) -> str:
+  """One short line about why a step could not be read."""
+  text = " ".join(str(error).split())
+  if len(text) > _MAX_REASON_CHARS:
+    text = text[: _MAX_REASON_CHARS - 3] + "..."
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _quiet_closed_loop_noise() -> None:
+  """Drops the "Event loop is closed" errors that follow a failed Orbax read.
+
+  Orbax runs each read in a fresh asyncio loop and closes it as soon as one
+  TensorStore read fails; the reads still in flight then complete into the
+  closed loop, and Python prints each ``RuntimeError('Event loop is closed')``
+  through ``sys.unraisablehook`` as a traceback, at random moments up to exit.
+  They carry no information (the failure itself was raised), so after a
+  failure this process ignores exactly that error; every other unraisable
+  exception still reaches the previous hook.
+  """
+  if getattr(sys.unraisablehook, "_drops_closed_loop_noise", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._drops_closed_loop_noise = True
+  sys.unraisablehook = hook
 
 
 def _uncommit(x: jax.Array) -> jax.Array:
@@ -159,15 +270,31 @@ class Checkpointer:
     if "://" not in directory:
       directory = os.path.abspath(directory)
     self._directory = epath.Path(directory)
-    options = ocp.CheckpointManagerOptions(
+    self._options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
       save_interval_steps=save_interval_steps,
       cleanup_tmp_directories=True,
       create=True,
     )
-    self._manager = ocp.CheckpointManager(
-      self._directory, options=options, item_names=(_STATE, _METADATA)
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+      self._directory, options=self._options, item_names=(_STATE, _METADATA, _CHECKSUMS)
     )
+
+  def _reopen(self) -> None:
+    """A fresh manager: after a failed read, or after steps moved under the old one.
+
+    The manager caches the steps it saw when it opened; one that still listed a
+    step set aside would skip saving that step again (``should_save`` refuses
+    steps at or below its latest) and try to garbage collect a missing folder.
+    """
+    try:
+      self._manager.close()
+    except Exception as e:  # A manager that failed a read may fail to close too.
+      _log.info("closing the checkpoint manager after a failure: %s", _reason(e))
+    self._manager = self._open()
 
   @property
   def directory(self) -> epath.Path:
@@ -184,9 +311,9 @@ class Checkpointer:
   ) -> bool:
     """Starts saving ``state`` (and ``metadata``) as ``step``.
 
-    Returns once the arrays are copied to host memory; the write finishes in
-    the background (see :meth:`wait`). Errors of a previous background save
-    are raised here.
+    Returns once the arrays are copied to host memory and checksummed (see
+    the module docstring); the write finishes in the background (see
+    :meth:`wait`). Errors of a previous background save are raised here.
 
     Args:
       step: the step number, usually the number of completed rounds.
@@ -205,12 +332,20 @@ class Checkpointer:
     # Serialise now, not in the background thread, so that a bad document
     # fails loudly here and later mutation of ``metadata`` cannot race.
     document = json.loads(json.dumps(metadata or {}, default=_to_json))
+    if not force and not self._manager.should_save(int(step)):
+      return False  # Skipped by the interval: spare the checksums' host copy.
+    checksums = {
+      "algorithm": "crc32",
+      _STATE: _array_checksums(state),
+      _METADATA: _document_crc32(document),
+    }
     return self._manager.save(
       int(step),
       args=ocp.args.Composite(
         **{
           _STATE: ocp.args.StandardSave(state),
           _METADATA: ocp.args.JsonSave(document),
+          _CHECKSUMS: ocp.args.JsonSave(checksums),
         }
       ),
       force=force,
@@ -263,9 +398,42 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: if there is no such finalised step.
+      DamagedCheckpointError: an array reads back with another checksum,
+        shape or dtype than it was saved with.
+      Exception: whatever Orbax raises for files it cannot read.
     """
     step = self._resolve_step(step)
+    try:
+      expected = self._read_checksums(step)
+      restored = self._restore_state(step, target)
+    except Exception:
+      _quiet_closed_loop_noise()
+      raise
+    if expected is not None:
+      actual = _array_checksums(restored)
+      for path, want in expected[_STATE].items():
+        got = actual.get(path)
+        if got is not None and got != want:
+          raise DamagedCheckpointError(
+            f"array {path} of step {step} reads back as {got['dtype']}{got['shape']} with "
+            f"crc32 {got['crc32']}, saved as {want['dtype']}{want['shape']} with crc32 {want['crc32']}"
+          )
+    return restored
 
+  def _read_checksums(self, step: int) -> dict[str, Any] | None:
+    """The step's checksums, or None for a step saved before they existed.
+
+    Orbax's step metadata names the items a step was saved with, so a step
+    that had checksums and lost them is damaged, not taken for an old one.
+    """
+    step_metadata = json.loads((self._directory / str(step) / _STEP_METADATA_FILE).read_text())
+    items = step_metadata.get("item_handlers")
+    if not isinstance(items, dict) or _CHECKSUMS not in items:
+      return None
+    args = ocp.args.Composite(**{_CHECKSUMS: ocp.args.JsonRestore()})
+    return dict(self._manager.restore(step, args=args)[_CHECKSUMS])
+
+  def _restore_state(self, step: int, target: Any) -> Any:
     def abstract(leaf):
       if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         sharding = _target_sharding(leaf)
@@ -291,12 +459,88 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: if there is no such finalised step.
+      DamagedCheckpointError: the document reads back with another checksum.
     """
     step = self._resolve_step(step)
-    restored = self._manager.restore(
-      step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+    try:
+      expected = self._read_checksums(step)
+      restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+      )
+    except Exception:
+      _quiet_closed_loop_noise()
+      raise
+    document = dict(restored[_METADATA])
+    if expected is not None and _document_crc32(document) != expected[_METADATA]:
+      raise DamagedCheckpointError(f"the metadata of step {step} does not match its checksum")
+    return document
+
+  def restore_latest_good(self, target: Any) -> tuple[int, Any] | None:
+    """Restores the newest step that reads back intact; sets newer, damaged ones aside.
+
+    Steps are tried newest first. A step is intact when its state restores into
+    ``target`` (:meth:`restore`, checksums verified) and its metadata reads back
+    (:meth:`restore_metadata`, verified too). Every newer step that failed is
+    renamed to ``<step>.damaged-<YYYYmmdd-HHMMSS>`` in the same directory (never
+    deleted; Orbax ignores the name), with one WARNING line each::
+
+      checkpoint of round 3 is damaged (DamagedCheckpointError: ...); set aside as
+      <dir>/3.damaged-20250101-120000; resuming from round 2
+
+    so that the run's next saves may write those steps again.
+
+    Args:
+      target: as for :meth:`restore`.
+
+    Returns:
+      ``(step, state)`` of the newest intact step (read its metadata with
+      ``restore_metadata(step)``), or None when there is no finalised step.
+
+    Raises:
+      CheckpointError: there are steps and none is intact. Nothing is renamed
+        then: the message lists each step's failure and leaves the decision to
+        the user (a relaunch would otherwise restart from round 0 unasked).
+    """
+    self.wait()
+    failures: list[tuple[int, str]] = []
+    for step in reversed(self.all_steps()):
+      try:
+        state = self.restore(target, step)
+        self.restore_metadata(step)
+      except Exception as e:  # Whatever the cause, this step cannot be resumed from.
+        failures.append((step, _reason(e)))
+        self._reopen()
+        continue
+      for bad, reason in failures:
+        aside = self._set_aside(bad)
+        _log.warning(
+          "checkpoint of round %d is damaged (%s); set aside as %s; resuming from round %d",
+          bad,
+          reason,
+          aside,
+          step,
+        )
+      if failures:
+        self._reopen()
+      return step, state
+    if not failures:
+      return None
+    listed = "; ".join(f"round {s}: {reason}" for s, reason in failures)
+    raise CheckpointError(
+      f"no intact checkpoint in {self._directory} ({listed}); nothing was moved: "
+      f"to start the run again from round 0, move {self._directory} aside."
     )
-    return dict(restored[_METADATA])
+
+  def _set_aside(self, step: int) -> epath.Path:
+    """Renames a step's folder to a free ``<step>.damaged-<timestamp>[-n]`` and returns it."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    aside = self._directory / f"{step}.damaged-{stamp}"
+    n = 2
+    while aside.exists():
+      aside = self._directory / f"{step}.damaged-{stamp}-{n}"
+      n += 1
+    (self._directory / str(step)).rename(aside)
+    return aside
 
   def wait(self) -> None:
     """Blocks until every started save is finalised on disk."""

@@ -361,10 +361,9 @@ def run(
     ledgers = {m: ledger_lib.Ledger.zeros(len(names)) for m in methods}
     if resumed and checkpointer.latest_step() is not None:
       target = jax.eval_shape(lambda: {m: _pack(s) for m, s in state.items()})
-      packed = checkpointer.restore(target)
+      start_round, packed = checkpointer.restore_latest_good(target)
       state = {m: _unpack(packed[m], state[m]).place(mesh) for m in methods}
-      start_round = checkpointer.latest_step()
-      stored = checkpointer.restore_metadata()["ledgers"]
+      stored = checkpointer.restore_metadata(start_round)["ledgers"]
       ledgers = {m: ledger_lib.Ledger.from_dict(stored[m]) for m in methods}
     writer = MetricWriter(workdir, "creamfl", resume_round=start_round if resumed else None)
     history = _load_history(workdir, methods, start_round)

@@ -228,8 +228,7 @@ def run(
     start_round = 0
     if resumed and checkpointer.latest_step() is not None:
       target = {name: s.place(mesh) for name, s in jax.eval_shape(make_states).items()}
-      state = checkpointer.restore(target)
-      start_round = checkpointer.latest_step()
+      start_round, state = checkpointer.restore_latest_good(target)
     writers = {
       name: MetricWriter(workdir, name, resume_round=start_round if resumed else None)
       for name in algs
@@ -240,7 +239,7 @@ def run(
     traffic = _bytes_per_round(config, num_batches)
     ledger = ledger_lib.Ledger.zeros(len(users))
     if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
-      ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata()["ledger"])
+      ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata(start_round)["ledger"])
     bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
     results = None
     for r in bar:

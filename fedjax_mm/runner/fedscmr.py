@@ -384,8 +384,7 @@ def run(
     start_round = 0
     if resumed and checkpointer.latest_step() is not None:
       target = {m: s.place(mesh) for m, s in jax.eval_shape(make_states).items()}
-      state = checkpointer.restore(target)
-      start_round = checkpointer.latest_step()
+      start_round, state = checkpointer.restore_latest_good(target)
     writers = _open_writers(workdir, methods, start_round if resumed else None)
     history = _load_history(workdir, methods, names, start_round, ns[-1])
 
@@ -420,7 +419,7 @@ def run(
     checkpointer.wait()
     if final is None:  # Resumed after the last round: evaluate the restored states.
       final = {m: _client_metrics(evaluate(state[m]), names) for m in methods}
-      weights = checkpointer.restore_metadata().get("weights", {})
+      weights = checkpointer.restore_metadata(start_round).get("weights", {})
     checkpointer.close()
     for w in writers.values():
       w.close()
