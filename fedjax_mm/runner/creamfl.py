@@ -39,7 +39,8 @@ from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError
+from fedjax_mm.runner import validation
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
 from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -67,6 +68,7 @@ def _check_encoder(where: str, name: str, modality: str) -> None:
 
 def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
+  validation.check_numbers(config, validation.CREAMFL)
   unknown = [m for m in config.methods if m not in METHODS]
   if unknown or not config.methods:
     raise ConfigError(f"methods: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)}.")
@@ -414,7 +416,7 @@ def _check_finite(method, r, out, names, checkpointer):
   if bad:
     raise NonFiniteError(
       f"{method} round {r + 1}: an update produced NaN/Inf for {', '.join(bad)}; "
-      f"the last good checkpoint (round {checkpointer.latest_step()}) is intact."
+      f"{checkpoint_note(checkpointer.latest_step())}."
     )
 
 

@@ -3,9 +3,11 @@
 A runner validates its whole config before anything is compiled and raises
 :class:`ConfigError` with a message that names the offending key; a run that
 produces NaN or Inf raises :class:`NonFiniteError` naming the round and the
-user, leaving the last good checkpoint intact. ``main.py`` prints either (and
-:class:`~fedjax_mm.runner.workdir.WorkdirError`) as ``error: ...`` on stderr
-and exits with status 2.
+user, leaving the last good checkpoint intact (its message ends with
+:func:`checkpoint_note`). ``main.py`` prints either (and
+:class:`~fedjax_mm.runner.workdir.WorkdirError`,
+:class:`~fedjax_mm.core.checkpoint.CheckpointError`) as ``error: ...`` on
+stderr and exits with status 2.
 """
 
 
@@ -15,3 +17,15 @@ class ConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
   """A client update produced NaN or Inf."""
+
+
+def checkpoint_note(latest_round: int | None) -> str:
+  """How a :class:`NonFiniteError` message ends: what a relaunch would resume from.
+
+  Args:
+    latest_round: the newest finalised checkpoint's round, or None before the
+      first one is written (a relaunch then starts from round 0).
+  """
+  if latest_round is None:
+    return "no checkpoint yet"
+  return f"the last good checkpoint (round {latest_round}) is intact"

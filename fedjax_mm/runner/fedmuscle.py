@@ -37,7 +37,8 @@ from fedjax_mm.algorithms import fedmuscle, local_training
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError
+from fedjax_mm.runner import validation
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
 from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -67,6 +68,7 @@ class User:
 
 def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
+  validation.check_numbers(config, validation.FEDMUSCLE)
   users = tuple(User(i, u["encoder"], u["task"]) for i, u in enumerate(config.users))
   if len(users) < 2:
     raise ConfigError(f"FedMuscle needs at least 2 users, the config has {len(users)}.")
@@ -251,7 +253,7 @@ def run(
           bad = [users[i].name for i in np.flatnonzero(~finite)]
           raise NonFiniteError(
             f"{name} round {r + 1}: a client update produced NaN/Inf for {', '.join(bad)}; "
-            f"the last good checkpoint (round {checkpointer.latest_step()}) is intact."
+            f"{checkpoint_note(checkpointer.latest_step())}."
           )
         results[name] = _user_metrics(evaluate(state[name]), groups)
         scalars = {

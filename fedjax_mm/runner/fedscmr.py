@@ -54,7 +54,8 @@ from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.data.cross_modal import PairedFeatures, class_demand, class_subset_split
 from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError
+from fedjax_mm.runner import validation
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
 from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -108,6 +109,7 @@ def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
 
 def validate(config) -> None:
   """Checks a whole config before any work. Raises :class:`ConfigError`."""
+  validation.check_numbers(config, validation.FEDSCMR)
   clients = config.clients
   if len(clients) < 2:
     raise ConfigError(f"FedSCMR needs at least 2 clients, the config has {len(clients)}.")
@@ -399,8 +401,7 @@ def run(
           bad = [names[i] for i in np.flatnonzero(~finite)]
           raise NonFiniteError(
             f"{m} round {r + 1}: a client update produced NaN/Inf for client "
-            f"{', '.join(bad)}; the last good checkpoint (round {checkpointer.latest_step()}) "
-            "is intact."
+            f"{', '.join(bad)}; {checkpoint_note(checkpointer.latest_step())}."
           )
         final[m] = _client_metrics(evaluate(state[m]), names)
         weights[m] = [float(w) for w in np.asarray(out["weight"])]

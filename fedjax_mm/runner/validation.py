@@ -1,0 +1,260 @@
+"""Every number of a config is finite and in its range, checked before anything is built.
+
+A NaN learning rate compiles, trains and fails only when the first round's
+NaN guard trips (after minutes of compilation), and a negative weight decay or
+a temperature of 0 may not fail at all, only train nonsense. The runners
+therefore call :func:`check_numbers` first thing in their ``validate``: it
+walks every numeric leaf of the config and raises
+:class:`~fedjax_mm.runner.errors.ConfigError` naming the first bad key, in one
+line, which ``experiments/main.py`` prints with exit status 2.
+
+A *spec* maps a key pattern to a :class:`Range`. Patterns are dotted keys of
+the config, with ``[]`` standing for any list element (``users[].train_size``
+covers ``users[0].train_size``, ``users[1].train_size``, ...). A numeric leaf
+that no pattern names must still be finite, so a field added to a config later
+cannot carry a NaN in unnoticed; ``tests/test_runner_validation.py`` checks
+that every numeric field of the shipped configs has its own rule. A pattern
+whose key the config lacks is skipped (optional keys, e.g. a user's own
+``batch_size``), as are ``None`` (an unset optional field such as
+``chunk_size``), booleans and strings: the runners' own checks cover presence,
+names and relations between fields (``public.size`` a multiple of the batch
+size, ``tau_reduced < tau_full``, ...). Only ranges live here.
+
+Typical use::
+
+  def validate(config):
+    check_numbers(config, FEDMUSCLE)
+    ...  # checks of names and relations
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from fedjax_mm.runner.errors import ConfigError
+
+__all__ = [
+  "COUNT",
+  "CREAMFL",
+  "FEDMUSCLE",
+  "FEDSCMR",
+  "FRACTION",
+  "NON_NEGATIVE",
+  "NON_NEGATIVE_INT",
+  "POSITIVE",
+  "Range",
+  "check_numbers",
+  "numeric_fields",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The values a numeric field may take: finite, within bounds, maybe integral.
+
+  Attributes:
+    low: lower bound (``-inf`` for none).
+    high: upper bound (``inf`` for none).
+    low_open: exclude ``low`` itself (``> 0`` rather than ``>= 0``).
+    integer: the value must be an ``int``.
+  """
+
+  low: float = -math.inf
+  high: float = math.inf
+  low_open: bool = False
+  integer: bool = False
+
+  def describe(self) -> str:
+    """The bounds as a message says them: ``> 0``, ``>= 1``, ``in [0, 1]``."""
+    if self.low > -math.inf and self.high < math.inf:
+      return f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}]"
+    if self.low > -math.inf:
+      return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+    if self.high < math.inf:
+      return f"<= {_number(self.high)}"
+    return "finite"
+
+  def admits(self, value: Any) -> bool:
+    """Whether ``value`` is a finite number of this range."""
+    if self.integer and not isinstance(value, numbers.Integral):
+      return False
+    if not math.isfinite(value):
+      return False
+    above = value > self.low if self.low_open else value >= self.low
+    return above and value <= self.high
+
+
+def _number(x: float) -> str:
+  return str(int(x)) if float(x).is_integer() else str(x)
+
+
+#: ``>= 1``, an integer: rounds, epochs, sizes, counts.
+COUNT = Range(1, integer=True)
+#: ``>= 0``, an integer: seeds, LoRA ranks.
+NON_NEGATIVE_INT = Range(0, integer=True)
+#: ``> 0``: learning rates, temperatures, concentrations.
+POSITIVE = Range(0, low_open=True)
+#: ``>= 0``: weight decays, loss weights, noise scales.
+NON_NEGATIVE = Range(0)
+#: ``in [0, 1]``: shifts, shares.
+FRACTION = Range(0, 1)
+
+# ml_collections turns a dotted override into a float or int according to the
+# field's type, so ``--config.learning_rate=nan`` arrives as float("nan").
+_FINITE = Range()
+
+#: The numbers of ``experiments/fedmuscle.py``.
+FEDMUSCLE: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "rounds": COUNT,
+  "local_epochs": COUNT,
+  "local_batch_size": COUNT,
+  "learning_rate": POSITIVE,
+  "weight_decay": NON_NEGATIVE,
+  "rep_dim": COUNT,
+  "test_size": COUNT,
+  "checkpoint_every": COUNT,
+  "lora_rank": NON_NEGATIVE_INT,
+  "users[].train_size": COUNT,
+  "users[].batch_size": COUNT,
+  "users[].lora_rank": NON_NEGATIVE_INT,
+  "public.size": COUNT,
+  "public.shift": FRACTION,
+  "muscle.num_partners": COUNT,
+  "muscle.batch_size": COUNT,
+  "muscle.cl_epochs": COUNT,
+  "muscle.tau_full": POSITIVE,
+  "muscle.tau_reduced": POSITIVE,
+  "muscle.chunk_size": COUNT,
+}
+
+#: The numbers of ``experiments/creamfl.py``.
+CREAMFL: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "rounds": COUNT,
+  "eval_every": COUNT,
+  "image_size": COUNT,
+  "rep_dim": COUNT,
+  "alpha": POSITIVE,
+  "local_epochs": COUNT,
+  "local_batch_size": COUNT,
+  "learning_rate": POSITIVE,
+  "server_learning_rate": POSITIVE,
+  "weight_decay": NON_NEGATIVE,
+  "checkpoint_every": COUNT,
+  "clients.image.num": COUNT,
+  "clients.image.train_size": COUNT,
+  "clients.text.num": COUNT,
+  "clients.text.train_size": COUNT,
+  "clients.multimodal.num": COUNT,
+  "clients.multimodal.train_size": COUNT,
+  "public.size": COUNT,
+  "public.shift": FRACTION,
+  "test.size": COUNT,
+  "test.shift": FRACTION,
+  "test.folds": COUNT,
+  "creamfl.num_selected": COUNT,
+  "creamfl.batch_size": COUNT,
+  "creamfl.server_temperature": POSITIVE,
+  "creamfl.lcr_weight": NON_NEGATIVE,
+  "creamfl.inter_temperature": POSITIVE,
+  "creamfl.intra_temperature": POSITIVE,
+  "creamfl.gca_temperature": POSITIVE,
+  "creamfl.distill_weight": NON_NEGATIVE,
+  "creamfl.iot_weight": NON_NEGATIVE,
+  "creamfl.muscle_partners": COUNT,
+  "creamfl.muscle_tau_full": POSITIVE,
+  "creamfl.muscle_tau_reduced": POSITIVE,
+  "creamfl.gca_chunk_size": COUNT,
+}
+
+#: The numbers of ``experiments/fedscmr.py``.
+FEDSCMR: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "rounds": COUNT,
+  "local_epochs": COUNT,
+  "batch_size": COUNT,
+  "learning_rate": POSITIVE,
+  "test_size": COUNT,
+  "checkpoint_every": COUNT,
+  "clients[].classes": COUNT,
+  "clients[].train_size": COUNT,
+  "features.image_dim": COUNT,
+  "features.image_noise": NON_NEGATIVE,
+  "model.hidden": COUNT,
+  "model.dim": COUNT,
+  "fedscmr.alpha": NON_NEGATIVE,
+  "fedscmr.beta": NON_NEGATIVE,
+  "fedscmr.gamma": NON_NEGATIVE,  # 0 is the "-Phi" ablation.
+  "fedscmr.map_n": COUNT,
+  "dscmr.alpha": NON_NEGATIVE,
+  "dscmr.beta": NON_NEGATIVE,
+  "fedprox_mu": NON_NEGATIVE,
+  "ns[]": COUNT,
+}
+
+
+def numeric_fields(config: Any) -> Iterator[tuple[str, str, Any]]:
+  """``(key, pattern, value)`` for every numeric leaf of ``config``, in config order.
+
+  ``key`` names the leaf (``users[1].train_size``), ``pattern`` the same with
+  list indices replaced by ``[]`` (``users[].train_size``). Booleans are not
+  numbers here.
+
+  Args:
+    config: an ``ml_collections.ConfigDict`` (or anything with ``to_dict()``)
+      or a plain nest of mappings, lists and tuples.
+  """
+  if callable(getattr(config, "to_dict", None)):
+    config = config.to_dict()
+
+  def walk(node: Any, key: str) -> Iterator[tuple[str, str, Any]]:
+    if isinstance(node, Mapping):
+      for name, child in node.items():
+        yield from walk(child, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list | tuple):
+      for i, child in enumerate(node):
+        yield from walk(child, f"{key}[{i}]")
+    elif isinstance(node, numbers.Real) and not isinstance(node, bool):
+      yield key, re.sub(r"\[\d+\]", "[]", key), node
+
+  yield from walk(config, "")
+
+
+def check_numbers(config: Any, spec: Mapping[str, Range]) -> None:
+  """Raises :class:`ConfigError` for the first numeric field outside its range.
+
+  Every numeric leaf must be finite; one whose pattern is in ``spec`` must also
+  satisfy that :class:`Range`. See the module docstring for patterns and what
+  is skipped.
+
+  Example:
+    >>> check_numbers({"learning_rate": float("nan")}, {"learning_rate": POSITIVE})
+    Traceback (most recent call last):
+    ...
+    fedjax_mm.runner.errors.ConfigError: learning_rate must be finite and > 0, got nan.
+
+  Args:
+    config: the run's config (``ConfigDict`` or nested mappings).
+    spec: key pattern -> :class:`Range`, e.g. :data:`FEDMUSCLE`.
+
+  Raises:
+    ConfigError: one line naming the key, the rule and the value.
+  """
+  for key, pattern, value in numeric_fields(config):
+    rule = spec.get(pattern, _FINITE)
+    if rule.admits(value):
+      continue
+    bounds = rule.describe()
+    if not math.isfinite(value):
+      described = "finite" if rule == _FINITE else f"finite and {bounds}"
+    elif rule.integer and not isinstance(value, numbers.Integral):
+      described = f"an integer {bounds}"
+    else:
+      described = bounds
+    raise ConfigError(f"{key} must be {described}, got {value!r}.")

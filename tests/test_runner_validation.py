@@ -1,0 +1,111 @@
+"""Numbers of a config: finite and in range, checked before anything is built (runner.validation)."""
+
+import math
+
+import experiment_main
+import pytest
+
+from experiments import creamfl as creamfl_config
+from experiments import fedmuscle as fedmuscle_config
+from experiments import fedscmr as fedscmr_config
+from fedjax_mm.runner import creamfl, fedmuscle, fedscmr, validation
+from fedjax_mm.runner.errors import ConfigError
+
+RUNNERS = {
+  "fedmuscle": (fedmuscle, fedmuscle_config, validation.FEDMUSCLE, (None, "smoke", "setup2")),
+  "creamfl": (creamfl, creamfl_config, validation.CREAMFL, (None, "smoke")),
+  "fedscmr": (fedscmr, fedscmr_config, validation.FEDSCMR, (None, "smoke")),
+}
+
+
+def _set(config, key: str, value) -> None:
+  """Sets a dotted key; ``users[1].train_size`` indexes a list."""
+  *parents, leaf = key.split(".")
+  node = config
+  for part in parents:
+    name, _, index = part.partition("[")
+    node = node[name]
+    if index:
+      node = node[int(index.rstrip("]"))]
+  node[leaf] = value
+
+
+@pytest.mark.parametrize("name", RUNNERS)
+def test_every_number_of_the_shipped_configs_has_a_rule(name):
+  """A numeric field added to a config without a range here fails this test, not a run."""
+  _, module, spec, variants = RUNNERS[name]
+  for variant in variants:
+    config = module.get_config(variant)
+    validation.check_numbers(config, spec)  # The shipped configs are valid.
+    patterns = {pattern for _, pattern, _ in validation.numeric_fields(config)}
+    assert patterns <= set(spec), f"{name}:{variant} has no rule for {sorted(patterns - set(spec))}"
+
+
+@pytest.mark.parametrize(
+  "name,key,value,message",
+  [
+    ("fedmuscle", "learning_rate", math.nan, "learning_rate must be finite and > 0, got nan."),
+    ("fedmuscle", "learning_rate", math.inf, "learning_rate must be finite and > 0, got inf."),
+    ("fedmuscle", "learning_rate", 0.0, "learning_rate must be > 0, got 0.0."),
+    ("fedmuscle", "weight_decay", -1e-4, "weight_decay must be >= 0, got -0.0001."),
+    ("fedmuscle", "muscle.tau_full", 0.0, "muscle.tau_full must be > 0, got 0.0."),
+    ("fedmuscle", "muscle.tau_reduced", -math.inf, "muscle.tau_reduced must be finite and > 0"),
+    ("fedmuscle", "public.shift", 1.5, "public.shift must be in [0, 1], got 1.5."),
+    ("fedmuscle", "local_batch_size", 0, "local_batch_size must be >= 1, got 0."),
+    ("fedmuscle", "users[1].train_size", 0, "users[1].train_size must be >= 1, got 0."),
+    ("fedmuscle", "seed", -1, "seed must be >= 0, got -1."),
+    ("creamfl", "server_learning_rate", math.nan, "server_learning_rate must be finite and > 0"),
+    ("creamfl", "weight_decay", math.nan, "weight_decay must be finite and >= 0, got nan."),
+    ("creamfl", "creamfl.lcr_weight", math.inf, "creamfl.lcr_weight must be finite and >= 0"),
+    ("creamfl", "creamfl.gca_temperature", -1.0, "creamfl.gca_temperature must be > 0"),
+    ("creamfl", "test.shift", -0.1, "test.shift must be in [0, 1], got -0.1."),
+    ("creamfl", "alpha", math.nan, "alpha must be finite and > 0, got nan."),
+    ("creamfl", "local_batch_size", 0, "local_batch_size must be >= 1"),
+    ("fedscmr", "learning_rate", math.nan, "learning_rate must be finite and > 0, got nan."),
+    ("fedscmr", "fedprox_mu", -0.01, "fedprox_mu must be >= 0, got -0.01."),
+    ("fedscmr", "features.image_noise", math.nan, "features.image_noise must be finite and >= 0"),
+    ("fedscmr", "fedscmr.gamma", math.inf, "fedscmr.gamma must be finite and >= 0, got inf."),
+    ("fedscmr", "batch_size", 0, "batch_size must be >= 1, got 0."),
+  ],
+)
+def test_validate_names_the_bad_number(name, key, value, message):
+  runner, module, _, _ = RUNNERS[name]
+  config = module.get_config("smoke")
+  _set(config, key, value)
+  with pytest.raises(ConfigError) as info:
+    runner.validate(config)
+  assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_check_numbers_on_plain_nests():
+  spec = {"a.b[]": validation.COUNT, "f": validation.FRACTION}
+  validation.check_numbers({"a": {"b": [1, 2]}, "f": 1, "flag": True, "name": "x", "c": None}, spec)
+  with pytest.raises(ConfigError, match=r"^a\.b\[1\] must be >= 1, got 0\.$"):
+    validation.check_numbers({"a": {"b": [1, 0]}}, spec)
+  with pytest.raises(ConfigError, match=r"^a\.b\[0\] must be an integer >= 1, got 2\.5\.$"):
+    validation.check_numbers({"a": {"b": [2.5]}}, spec)
+  # A number no rule names must still be finite.
+  with pytest.raises(ConfigError, match=r"^extra\.x must be finite, got -inf\.$"):
+    validation.check_numbers({"extra": {"x": -math.inf}}, spec)
+  assert validation.POSITIVE.describe() == "> 0" and validation.FRACTION.describe() == "in [0, 1]"
+
+
+@pytest.mark.parametrize(
+  "config,override",
+  [
+    ("experiments/fedmuscle.py:smoke", "--config.learning_rate=nan"),
+    ("experiments/creamfl.py:smoke", "--config.learning_rate=inf"),
+    ("experiments/fedscmr.py:smoke", "--config.learning_rate=nan"),
+  ],
+)
+def test_non_finite_learning_rate_exits_2_before_any_compilation(
+  tmp_path, main_cache, monkeypatch, config, override
+):
+  # JAX logs every compilation at WARNING when asked: there must be none.
+  monkeypatch.setenv("JAX_LOG_COMPILES", "1")
+  code, _, err = experiment_main.run(config, tmp_path / "run", override, cache_dir=main_cache)
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "learning_rate must be finite and > 0" in lines[0], err[-2000:]
+  assert "Compiling" not in err, err[-2000:]
+  assert not (tmp_path / "run").exists()  # Nothing was written.
