@@ -103,5 +103,28 @@ class Task:
       return metrics.micro_f1(outputs, targets, where=mask)
     return metrics.mean_iou(outputs, targets, num_classes=self.num_outputs, where=mask)
 
+  def trivial_metric(self, train_targets: Array, test_targets: Array) -> Array:
+    """The metric of a predictor that never looks at the input (a fraction).
+
+    The floor a reader needs beside every score, to tell learning from chance:
+
+    * ``classification``: the training set's majority class, always;
+    * ``multilabel``: every label present, always (a model that predicts no
+      label scores micro-F1 = 0, below this);
+    * ``segmentation``: the training set's most frequent pixel class everywhere.
+
+    Args:
+      train_targets: targets of the training set (labels ``[n]``, multi-hot
+        ``[n, C]`` or masks ``[n, H, W]``).
+      test_targets: targets of the set scored.
+    """
+    train_targets, test_targets = jnp.asarray(train_targets), jnp.asarray(test_targets)
+    mask = jnp.ones(test_targets.shape[0], bool)
+    if self.kind == "multilabel":
+      return self.metric(jnp.ones(test_targets.shape, jnp.float32), test_targets, mask)
+    counts = jnp.bincount(train_targets.reshape(-1), length=self.num_outputs)
+    outputs = jax.nn.one_hot(jnp.full(test_targets.shape, jnp.argmax(counts)), self.num_outputs)
+    return self.metric(outputs, test_targets, mask)
+
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
