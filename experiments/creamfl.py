@@ -40,7 +40,11 @@ def get_config(arg=None):
   config.rounds = 12
   config.eval_every = 4
   config.methods = METHODS
-  config.image_size = 16  # the world's images, S x S (16: 16 ViT tokens, CPU-friendly)
+  # Server and clients start from the shipped World-CLIP encoders (pretrained on
+  # 32x32 images), as CreamFL's start from pretrained backbones; pretrained=""
+  # trains from scratch (then image_size=16 is the CPU-friendly choice).
+  config.pretrained = "world-clip"
+  config.image_size = 32  # the world's images, S x S
   config.rep_dim = 64  # d
   config.alpha = 0.1  # Dirichlet concentration of the private splits
   config.local_epochs = 1  # E
@@ -87,6 +91,8 @@ def get_config(arg=None):
   )
 
   if arg == "smoke":
+    config.pretrained = ""
+    config.image_size = 16
     config.rounds = 2
     config.eval_every = 1
     config.rep_dim = 8

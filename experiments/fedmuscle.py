@@ -40,6 +40,13 @@ def get_config(arg=None):
   config.rep_dim = 256  # d
   config.test_size = 400
   config.checkpoint_every = 1
+  # Users start from the shipped World-CLIP encoders (experiments/pretrain.py) and
+  # fine-tune ViT/Transformer/GRU encoders with LoRA, as the paper fine-tunes
+  # ImageNet-21K ViTs with LoRA (r = 16 at width 768; r = 8 at our widths 64-128).
+  # CNNs have no dense layers for LoRA and are fine-tuned whole. A user's own
+  # "pretrained" key overrides this; pretrained="" trains every user from scratch.
+  config.pretrained = "world-clip"
+  config.lora_rank = 8
   # Local sets as the paper's App. G, scaled: MLC 200, IC100 100, IC10 50 samples.
   config.users = [
     _user("vit_s", "mlc", 200),

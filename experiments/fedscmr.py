@@ -52,7 +52,12 @@ def get_config(arg=None):
   config.features = ml_collections.ConfigDict(
     {
       "path": "",  # An .npz of real features (image, text, labels); empty: the embedded world.
-      "text_encoder": "transformer_t",  # Frozen, randomly initialised, seeded; or "bow".
+      # Frozen pretrained World-CLIP encoders, the analogue of the paper's VGG-19 and
+      # sentence-BERT features. image_encoder="" selects the earlier stand-in: seeded
+      # projections of per-shape pixel areas, and text_encoder = a frozen *random*
+      # encoder name or "bow".
+      "image_encoder": "world-clip/vit_s",
+      "text_encoder": "world-clip/transformer_s",
       "image_dim": 64,
       "image_noise": 0.5,
     }
@@ -83,7 +88,8 @@ def get_config(arg=None):
     config.test_size = 12
     config.clients = [_client("A", 4, 16), _client("B", 3, 12), _client("C", 2, 8)]
     config.features.image_dim = 8
-    config.features.text_encoder = "bow"  # numpy: no encoder to compile
+    config.features.image_encoder = ""  # the stand-in: numpy, no encoder to compile
+    config.features.text_encoder = "bow"
     config.model = ml_collections.ConfigDict({"hidden": 16, "dim": 8})
     config.fedscmr.map_n = 5
     config.ns = (5, 10)

@@ -22,6 +22,8 @@ CONFIG = "experiments/fedmuscle.py:smoke"
     ("--config.muscle.tau_reduced=0.25", "gamma > 0"),
     ("--config.muscle.loss=cosine", "muscle.loss"),
     ("--config.public.modalities=('text',)", "needs image in the public set"),
+    ("--config.pretrained=nope", "no pretrained checkpoint 'nope/cnn_s'"),
+    ("--config.lora_rank=-1", "lora_rank"),
   ],
 )
 def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, message):
@@ -62,6 +64,7 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):
     assert (tmp_path / "ref" / name).exists(), name
   assert list((tmp_path / "ref" / "tb").iterdir())
   reference = json.loads((tmp_path / "ref" / "results.json").read_text())
+  assert len(reference["trivial"]) == 3 and "trivial" in out
 
   # Killed mid-run (SIGKILL once round 2 is checkpointed), then resumed by the same command.
   proc = experiment_main.start(CONFIG, tmp_path / "run", "--config.rounds=4", cache_dir=main_cache)
@@ -94,3 +97,31 @@ def test_delta_leaves_out_users_whose_local_metric_is_zero():
   assert value == pytest.approx(((0.6 - 0.5) / 0.5 + (0.5 - 0.25) / 0.25) / 2)
   value, excluded = runner._delta([0.6, 0.3], [0.0, 0.0])
   assert excluded == [0, 1] and value != value  # NaN: no user has a defined gain.
+
+
+def test_users_start_from_the_shipped_encoders_with_lora():
+  import numpy as np
+  from flax import nnx
+
+  from fedjax_mm import models
+
+  config = fedmuscle_config.get_config("smoke")
+  users, _, states, *_ = runner.build(config)
+  for u, state in zip(users, states, strict=True):
+    shipped = models.pretrained.read_tensors(f"world-clip/{u.encoder}")
+    trained = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state.params)}
+    frozen = dict(nnx.to_flat_state(state.shared))
+    if u.encoder in models.LORA_ENCODERS:  # Base weights frozen and shared; adapters train.
+      assert any("lora" in p for p in trained)
+      assert not any(p.startswith("encoder") and "lora" not in p for p in trained)
+      source = {".".join(map(str, p[1:])): v[...] for p, v in frozen.items() if p[0] == "encoder"}
+    else:  # A CNN has nothing to adapt: the whole encoder trains, from the shipped weights.
+      source = {
+        ".".join(map(str, p[1:])): v[...][0]
+        for p, v in nnx.to_flat_state(state.params)
+        if p[0] == "encoder"
+      }
+    shipped.pop("projection.kernel")
+    assert source.keys() == shipped.keys()
+    for name, value in shipped.items():
+      np.testing.assert_array_equal(np.asarray(source[name]), value, err_msg=f"{u.name} {name}")

@@ -107,6 +107,9 @@ class DualEncoder(nnx.Module):
     vocab_size: token ids of the text encoder.
     max_len: caption length.
     rngs: random streams.
+    pretrained: optional collection of checkpoints (``"world-clip"``): each
+      encoder starts from ``<pretrained>/<encoder name>``
+      (:mod:`fedjax_mm.models.pretrained`); the projectors stay fresh.
   """
 
   def __init__(
@@ -119,6 +122,7 @@ class DualEncoder(nnx.Module):
     vocab_size: int,
     max_len: int,
     rngs: nnx.Rngs,
+    pretrained: str | None = None,
   ):
     if models.ENCODERS[image_encoder][0] != "image":
       raise ValueError(f"{image_encoder!r} is not an image encoder.")
@@ -130,6 +134,12 @@ class DualEncoder(nnx.Module):
       text_encoder, rngs=rngs, vocab_size=vocab_size, max_len=max_len
     )
     self.text_projector = nnx.Linear(self.text_encoder.features, rep_dim, rngs=rngs)
+    if pretrained:
+      sizes = {"image_size": image_size, "vocab_size": vocab_size, "max_len": max_len}
+      for name, encoder in ((image_encoder, self.image_encoder), (text_encoder, self.text_encoder)):
+        keys = models.pretrained.size_keys(models.ENCODERS[name][0])
+        expect = {"encoder": name, **{k: sizes[k] for k in keys if k in sizes}}
+        models.pretrained.load_into(encoder, f"{pretrained}/{name}", expect=expect)
 
   def represent(self, x: Array, modality: str) -> Array:
     """``[b, d]`` representations of images ``[b, S, S, 3]`` or captions ``[b, L]``."""

@@ -80,6 +80,20 @@ def validate(config) -> None:
     raise ConfigError(f"eval_every must be >= 1, got {config.eval_every}.")
   if config.image_size < 16 or config.image_size % 4:
     raise ConfigError(f"image_size must be a multiple of 4 and >= 16, got {config.image_size}.")
+  if config.pretrained:
+    c = config.clients
+    names = [c.image.encoder, c.text.encoder, c.multimodal.image_encoder]
+    names += [c.multimodal.text_encoder, config.server.image_encoder, config.server.text_encoder]
+    for name in names:
+      try:
+        cfg = models.pretrained.read_config(f"{config.pretrained}/{name}")
+      except models.pretrained.PretrainedError as e:
+        raise ConfigError(str(e)) from None
+      if cfg["modality"] == "image" and cfg["image_size"] != config.image_size:
+        raise ConfigError(
+          f"{config.pretrained}/{name} was pretrained on {cfg['image_size']}x{cfg['image_size']} "
+          f"images; set image_size={cfg['image_size']} or pretrained=''."
+        )
   if config.rep_dim < 1:
     raise ConfigError(f"rep_dim must be positive, got {config.rep_dim}.")
   if not config.alpha > 0:
@@ -187,6 +201,8 @@ def build(config):
         "rep_dim": config.rep_dim,
       }
       model_config |= text_sizes if name == "text" else {"image_size": config.image_size}
+      if config.pretrained:
+        model_config["pretrained"] = f"{config.pretrained}/{spec.encoder}"
       make = lambda rngs, c=model_config: models.build(c, rngs=rngs)
       group_task = core.Task(kind, input_key, target_key, outputs)
       encoder = spec.encoder
@@ -197,6 +213,7 @@ def build(config):
         rep_dim=config.rep_dim,
         image_size=config.image_size,
         rngs=rngs,
+        pretrained=config.pretrained or None,
         **text_sizes,
       )
       group_task = creamfl.RetrievalTask(temperature=config.creamfl.server_temperature)
@@ -222,6 +239,7 @@ def build(config):
     rep_dim=config.rep_dim,
     image_size=config.image_size,
     rngs=nnx.Rngs(jax.random.fold_in(root, 100)),
+    pretrained=config.pretrained or None,
     **text_sizes,
   )
   graphdef, server_params = nnx.split(server_model)

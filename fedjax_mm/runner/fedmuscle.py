@@ -98,6 +98,15 @@ def validate(config) -> tuple[User, ...]:
     )
   if config.rounds < 1:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
+  if not isinstance(config.lora_rank, int) or config.lora_rank < 0:
+    raise ConfigError(f"lora_rank must be an int >= 0, got {config.lora_rank!r}.")
+  for u in users:
+    checkpoint = _pretrained(config, config.users[u.index], u.encoder)
+    if checkpoint:
+      try:
+        models.pretrained.resolve(checkpoint)
+      except models.pretrained.PretrainedError as e:
+        raise ConfigError(f"{u.name}: {e}") from None
   return users
 
 
@@ -145,6 +154,9 @@ def build(config):
     }
     if input_key == "caption":
       model_config |= {"vocab_size": data.VOCAB_SIZE, "max_len": data.WorldConfig().max_caption_len}
+    checkpoint = _pretrained(config, spec, u.encoder)
+    lora_rank = spec.get("lora_rank", config.lora_rank) if u.encoder in models.LORA_ENCODERS else 0
+    model_config |= {"pretrained": checkpoint, "lora_rank": lora_rank if checkpoint else 0}
     tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     group, state = core.init_group(
       lambda rngs, c=model_config: models.build(c, rngs=rngs),
@@ -153,6 +165,7 @@ def build(config):
       task=core.Task(kind, input_key, target_key, outputs),
       key=jax.random.fold_in(root, u.index),
       num_clients=1,
+      trainable=models.trainable_filter(lora=model_config["lora_rank"] > 0),
       local_epochs=config.local_epochs,
       batch_size=spec.get("batch_size", config.local_batch_size),
     )
@@ -161,7 +174,27 @@ def build(config):
     for source, sink in ((train, train_data), (test, test_data)):
       stacked, mask = data.stack_clients([source[u.index]])
       sink.append(core.make_client_data(stacked, mask, user_ids=np.array([u.index])))
-  return users, tuple(groups), tuple(states), tuple(train_data), tuple(test_data), public
+  # What each user's metric is without looking at the input (majority class,
+  # every label present, majority pixel class): the floor beside every score.
+  trivial = tuple(
+    float(
+      g.task.trivial_metric(train[u.index][g.task.target_key], test[u.index][g.task.target_key])
+    )
+    for u, g in zip(users, groups, strict=True)
+  )
+  return users, tuple(groups), tuple(states), tuple(train_data), tuple(test_data), public, trivial
+
+
+def _pretrained(config, spec, encoder: str) -> str | None:
+  """The checkpoint a user's encoder starts from, or None (from scratch).
+
+  A user's own ``pretrained`` key wins; otherwise ``config.pretrained`` names a
+  collection of shipped checkpoints (``"world-clip"`` -> ``world-clip/<encoder>``)
+  or, if empty, every user trains from scratch.
+  """
+  if "pretrained" in spec:
+    return spec["pretrained"] or None
+  return f"{config.pretrained}/{encoder}" if config.pretrained else None
 
 
 def _finite_per_user(state) -> jax.Array:
@@ -191,7 +224,7 @@ def run(
   Returns:
     the final results (also written to ``results.json``).
   """
-  users, groups, states, train_data, test_data, public = build(config)  # Validates first.
+  users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
   workdir = pathlib.Path(workdir)
   with lock_workdir(workdir):  # One run per workdir; before anything is written.
     resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
@@ -287,7 +320,7 @@ def run(
     totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
     wall = time.time() - started
     return _report(
-      config, workdir, users, groups, final, history, traffic, totals, wall, start_round
+      config, workdir, users, groups, final, history, traffic, totals, wall, start_round, trivial
     )
 
 
@@ -339,7 +372,25 @@ def _load_history(workdir, users, start_round):
   return history
 
 
-def _report(config, workdir, users, groups, final, history, traffic, totals, wall, start_round):
+def _downlink_note(downlink: str) -> str:
+  """What each user receives under the downlink that ran (the same loss either way)."""
+  if downlink == "factored":
+    return (
+      "Downlink that ran: factored. Each user receives its M partners' own representations "
+      "Z^m / tau and the pairwise terms -gamma Z^m Z^m'^T, from which its loss is computed "
+      "exactly. The paper's server sends only the aggregate S^n and alpha^n (eq. 5): the "
+      "factored downlink is far smaller but shows a user its partners' representations of "
+      "the public batch, a privacy difference. The loss, and so training, is identical."
+    )
+  return (
+    "Downlink that ran: paper. Each user receives the aggregated S^n (B^M x d) and alpha^n "
+    "(B^M) of eq. 5, never a partner's own representations."
+  )
+
+
+def _report(
+  config, workdir, users, groups, final, history, traffic, totals, wall, start_round, trivial
+):
   fmt = report_lib.format_table
   rows = []
   for u, g in zip(users, groups, strict=True):
@@ -354,11 +405,22 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
         100 * alg,
         100 * loc,
         report_lib.percent(gain) if loc else "n/a (local 0)",
+        100 * trivial[u.index],
       ]
     )
   delta, excluded = _delta(final["fedmuscle"], final["local"])
   table = fmt(
-    ["user", "model", "task", "metric", f"FedMuscle ({config.muscle.loss})", "local", "gain"], rows
+    [
+      "user",
+      "model",
+      "task",
+      "metric",
+      f"FedMuscle ({config.muscle.loss})",
+      "local",
+      "gain",
+      "trivial",
+    ],
+    rows,
   )
   mb = lambda n: ledger_lib.format_bytes(n)
   traffic_table = fmt(
@@ -389,8 +451,8 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
     title="FedMuscle vs local training",
     sections=[
       ("Result", summary),
-      ("Per user (metric in %)", table),
-      ("Communication", traffic_table),
+      ("Per user (metric in %; trivial: majority class / every label present)", table),
+      ("Communication", traffic_table + "\n\n" + _downlink_note(config.muscle.downlink)),
     ],
   )
   series = {
@@ -414,6 +476,7 @@ def _report(config, workdir, users, groups, final, history, traffic, totals, wal
     "delta_excluded_users": [users[i].name for i in excluded],
     "fedmuscle": final["fedmuscle"],
     "local": final["local"],
+    "trivial": list(trivial),
     "traffic_per_round": traffic,
     "traffic_total": totals,
     "rounds": config.rounds,

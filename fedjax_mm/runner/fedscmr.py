@@ -16,9 +16,12 @@ Everything is validated before anything is computed: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
 it and exits with status 2).
 
-Features of the embedded world (:func:`world_features`). The paper feeds
-4096-d VGG-19 fc7 image features and 1024-d sentence-BERT text features. Here
-the text side is a frozen, randomly initialised text encoder of
+Features of the embedded world. The paper feeds 4096-d VGG-19 fc7 image
+features and 1024-d sentence-BERT text features, from networks pretrained
+elsewhere. By default (``features.image_encoder`` set) both come from frozen
+World-CLIP encoders pretrained on the world's web split
+(:func:`pretrained_features`). The stand-in that preceded them is kept
+(``features.image_encoder=""``, :func:`world_features`): the text side is a frozen, randomly initialised text encoder of
 :mod:`fedjax_mm.models` (``transformer_t`` by default) applied to one caption
 per image (chosen at random, seeded), mean-pooled. The image side cannot be a
 randomly initialised image encoder: with the world's random textures, colours,
@@ -124,6 +127,14 @@ def validate(config) -> None:
   if f.path:
     if not pathlib.Path(f.path).is_file():
       raise ConfigError(f"features.path {f.path!r} is not a file.")
+  elif f.image_encoder:
+    for key in ("image_encoder", "text_encoder"):
+      try:
+        cfg = models.pretrained.read_config(f[key])
+      except models.pretrained.PretrainedError as e:
+        raise ConfigError(f"features.{key}: {e}") from None
+      if cfg["modality"] != key.split("_")[0]:
+        raise ConfigError(f"features.{key}: {f[key]!r} is a {cfg['modality']} encoder.")
   else:
     if f.text_encoder not in TEXT_ENCODERS:
       raise ConfigError(
@@ -210,6 +221,46 @@ def world_features(
   return PairedFeatures(image=image, text=text, labels=world["retrieval_label"])
 
 
+def pretrained_features(
+  seed: int, num: int, *, image_encoder: str, text_encoder: str
+) -> PairedFeatures:
+  """``num`` labelled pairs of the world through frozen pretrained encoders.
+
+  The paper's setting: VGG-19 fc7 image features and sentence-BERT text
+  features, both from networks pretrained elsewhere. Here both come from the
+  World-CLIP checkpoints (:mod:`fedjax_mm.runner.pretrain`), pretrained on the
+  web split, which shares no seed with this pool: the pooled output of the
+  frozen image encoder on each image, and of the frozen text encoder on one
+  caption per image (chosen at random, seeded).
+
+  Args:
+    seed: integer seed of the world and of the caption choice.
+    num: number of pairs.
+    image_encoder: a checkpoint name or folder (``"world-clip/vit_s"``).
+    text_encoder: a checkpoint name or folder (``"world-clip/transformer_s"``).
+  """
+  world = data.generate(seed, num)
+  rng = np.random.default_rng([seed, 7])
+  choice = rng.integers(0, world["caption"].shape[1], size=num)
+  captions = world["caption"][np.arange(num), choice]
+  return PairedFeatures(
+    image=_frozen_features(image_encoder, world["image"]),
+    text=_frozen_features(text_encoder, captions),
+    labels=world["retrieval_label"],
+  )
+
+
+def _frozen_features(checkpoint: str, x: np.ndarray) -> np.ndarray:
+  """Pooled outputs ``[n, h]`` of the checkpoint's encoder on ``x``, in batches of 512."""
+  cfg = models.pretrained.read_config(checkpoint)
+  sizes = {k: cfg[k] for k in models.pretrained.size_keys(cfg["modality"])}
+  encoder = models.build_encoder(cfg["encoder"], rngs=nnx.Rngs(0), **sizes)
+  models.pretrained.load_into(encoder, checkpoint)
+  graphdef, params = nnx.split(encoder)
+  encode = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0])
+  return np.asarray(core.client.apply_in_batches(lambda x: encode(params, x), x, 512))
+
+
 def _bag_of_words(rng: np.random.Generator, captions: np.ndarray, dim: int = 64) -> np.ndarray:
   """``[n, dim]`` text features: ReLU of a fixed random projection of word counts (no PAD)."""
   counts = np.zeros((captions.shape[0], data.VOCAB_SIZE), np.float32)
@@ -233,13 +284,18 @@ def _features(config) -> tuple[PairedFeatures, int]:
   )
   # Labels are close to uniform: draw enough for the most demanded class, with margin.
   num = int(1.4 * num_classes * demand.max()) + 50
-  pool = world_features(
-    config.seed * 1000 + 31,
-    num,
-    image_dim=f.image_dim,
-    image_noise=f.image_noise,
-    text_encoder=f.text_encoder,
-  )
+  if f.image_encoder:
+    pool = pretrained_features(
+      config.seed * 1000 + 31, num, image_encoder=f.image_encoder, text_encoder=f.text_encoder
+    )
+  else:
+    pool = world_features(
+      config.seed * 1000 + 31,
+      num,
+      image_dim=f.image_dim,
+      image_noise=f.image_noise,
+      text_encoder=f.text_encoder,
+    )
   return pool, num_classes
 
 
