@@ -12,7 +12,8 @@ reads, on a terminal, on GitHub and in a paper draft:
   Delta (:func:`fedjax_mm.metrics.delta`) and the metrics are fractions, so
   both scale by 100 by default.
 * :func:`write_report` writes ``# title`` and one ``## heading`` + body per
-  section to a markdown file.
+  section to a markdown file; :func:`write_text` replaces any text file (say
+  ``results.json``) the same atomic way.
 * :func:`plot_curves` draws one PNG with a grid of panels (one per user, say)
   and one line per method, x = round. Matplotlib is imported inside the
   function and drives an explicit Agg canvas (``matplotlib.figure.Figure`` +
@@ -45,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_table", "mean_std", "percent", "plot_curves", "write_report"]
+__all__ = ["format_table", "mean_std", "percent", "plot_curves", "write_report", "write_text"]
 
 # Subplot grid: at most this many columns; rows grow as needed.
 _MAX_COLUMNS = 4
@@ -198,8 +199,12 @@ def mean_std(values: Iterable[Any], *, scale: float = 100.0, digits: int = 1) ->
   return f"{mean} ± {std:.{digits}f}"
 
 
-def _write_text(path: Path, text: str) -> None:
-  """Writes a text file atomically (temporary file, then rename), creating parents."""
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+  """Writes a text file atomically (temporary file, then rename), creating parents.
+
+  A run killed while writing its report leaves the previous file or none, never half of one.
+  """
+  path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f".{path.name}.tmp")
   tmp.write_text(text, encoding="utf-8")
@@ -227,7 +232,7 @@ def write_report(
   parts = [f"# {title}\n"]
   for heading, body in sections:
     parts.append(f"## {heading}\n\n{body.strip()}\n")
-  _write_text(path, "\n".join(parts))
+  write_text(path, "\n".join(parts))
   return path
 
 
