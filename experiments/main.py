@@ -2,10 +2,11 @@ r"""Runs an experiment from a config file.
 
   python -m experiments.main --config=experiments/fedmuscle.py [--workdir=runs/fedmuscle] [--overwrite]
 
-The loop lives in the library (``fedjax_mm.runner``); this file only parses
-flags. A bad config or workdir is reported in one line on stderr with exit
-status 2, before any compilation; so are a run that produced NaN/Inf and a
-workdir whose checkpoints are all damaged.
+The loop lives in the library (``fedjax_mm.runner.loop``); this file only
+parses flags and picks the experiment by the config file's name
+(``fedjax_mm.runner.EXPERIMENTS``). A bad config or workdir is reported in one
+line on stderr with exit status 2, before any compilation; so are a run that
+produced NaN/Inf and a workdir whose checkpoints are all damaged.
 """
 
 import pathlib
@@ -16,10 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from fedjax_mm.core.checkpoint import CheckpointError
-from fedjax_mm.runner import creamfl as creamfl_runner
-from fedjax_mm.runner import fedmuscle as fedmuscle_runner
-from fedjax_mm.runner import fedscmr as fedscmr_runner
-from fedjax_mm.runner import pretrain as pretrain_runner
+from fedjax_mm.runner import EXPERIMENTS, experiment_runner
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -37,13 +35,6 @@ _CACHE = flags.DEFINE_string(
   "skip compilation; empty to disable.",
 )
 
-RUNNERS = {
-  "creamfl": creamfl_runner.run,
-  "fedmuscle": fedmuscle_runner.run,
-  "fedscmr": fedscmr_runner.run,
-  "pretrain": pretrain_runner.run,
-}
-
 
 def main(argv):
   del argv
@@ -53,11 +44,12 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   config_path = flags.FLAGS["config"].config_filename
   name = pathlib.Path(config_path.split(":")[0]).stem
-  if name not in RUNNERS:
-    sys.exit(f"error: no runner for config {name!r}; known: {', '.join(RUNNERS)}")
+  if name not in EXPERIMENTS:
+    sys.exit(f"error: no runner for config {name!r}; known: {', '.join(EXPERIMENTS)}")
+  run = experiment_runner(name)
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   try:
-    RUNNERS[name](_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
+    run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -1,4 +1,11 @@
-"""Host-side plumbing of an experiment: workdir, metric writers, final report.
+"""The experiment runner: the loop every system plugs into, and its host-side plumbing.
+
+:mod:`fedjax_mm.runner.loop` is the one experiment loop (workdir, resume, NaN
+guard, ledger, checkpoints, report files); ``fedmuscle``, ``creamfl`` and
+``fedscmr`` plug their systems into it and ``pretrain`` has a loop of its own.
+Each exposes ``run(config, workdir, *, overwrite, progress)``, which
+:func:`experiment_runner` finds by config name (:data:`EXPERIMENTS`). None of
+them is imported here: they import jax.
 
 ==========================  ================================================
 workdir.prepare_workdir     create / check ``<workdir>``, write ``config.json``,
@@ -14,24 +21,39 @@ errors.NonFiniteError       NaN/Inf in a client update (exit 2)
 report.format_table         aligned GitHub-markdown table
 report.percent, mean_std    ``+16.9%``, ``+16.9 ± 2.1`` (fractions in)
 report.write_report         ``report.md`` from (heading, body) sections
+report.write_text           replace a text file atomically (``results.json``)
 report.plot_curves          PNG grid of learning curves (Agg, lazy import)
+EXPERIMENTS                 config stem -> module of its ``run``
 ==========================  ================================================
 
 Nothing here imports jax; matplotlib and tensorboardX are imported only when
 used.
 """
 
+import importlib
+from collections.abc import Callable
+from typing import Any
+
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError
-from fedjax_mm.runner.report import format_table, mean_std, percent, plot_curves, write_report
+from fedjax_mm.runner.report import (
+  format_table,
+  mean_std,
+  percent,
+  plot_curves,
+  write_report,
+  write_text,
+)
 from fedjax_mm.runner.workdir import WorkdirError, config_diff, prepare_workdir
 from fedjax_mm.runner.writers import MetricWriter, metric_series, read_metrics
 
 __all__ = [
+  "EXPERIMENTS",
   "ConfigError",
   "MetricWriter",
   "NonFiniteError",
   "WorkdirError",
   "config_diff",
+  "experiment_runner",
   "format_table",
   "mean_std",
   "metric_series",
@@ -40,4 +62,23 @@ __all__ = [
   "prepare_workdir",
   "read_metrics",
   "write_report",
+  "write_text",
 ]
+
+#: Config file stem (``experiments/<stem>.py``) -> the module whose ``run`` runs it. A new
+#: system adds its line here; modules are imported only when asked for (they import jax).
+EXPERIMENTS = {
+  "creamfl": "fedjax_mm.runner.creamfl",
+  "fedmuscle": "fedjax_mm.runner.fedmuscle",
+  "fedscmr": "fedjax_mm.runner.fedscmr",
+  "pretrain": "fedjax_mm.runner.pretrain",
+}
+
+
+def experiment_runner(name: str) -> Callable[..., Any]:
+  """``run(config, workdir, *, overwrite, progress)`` of the experiment ``name``.
+
+  Raises:
+    KeyError: ``name`` is not in :data:`EXPERIMENTS`.
+  """
+  return importlib.import_module(EXPERIMENTS[name]).run

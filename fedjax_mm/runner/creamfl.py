@@ -1,18 +1,19 @@
-"""The CreamFL experiment: clients, server, data, the loop, the report.
+"""The CreamFL experiment: clients, server, data, each round's metrics, the report.
 
 ``run(config, workdir)`` is what ``python -m experiments.main
---config=experiments/creamfl.py`` calls. It trains every method of
-``config.methods`` side by side from the same initial server and clients, on
-the same data and seeds: ``local`` (the server alone on the public set), the
-``reamFL`` variants, ``CreamFL`` and ``CreamFL+Muscle``
-(:data:`fedjax_mm.algorithms.creamfl.VARIANTS`). All federated methods share one
-compiled round (the variant is a runtime argument); ``local`` has its own.
-After every ``eval_every`` rounds (and the last) the server is evaluated on a
-held-out test set of the embedded world (i2t / t2i Recall@1/5/10, several
-captions per image); metrics go to JSONL + TensorBoard, every method's state is
-checkpointed (Orbax) after every round with the per-method communication
-ledgers in the metadata, and a rerun resumes. At the end it prints and writes a
-table like CreamFL's Table 1 / FedMuscle's Table 3, plus bytes per round.
+--config=experiments/creamfl.py`` calls: :func:`fedjax_mm.runner.loop.run` of
+:func:`experiment`, which trains every method of ``config.methods`` side by
+side from the same initial server and clients, on the same data and seeds:
+``local`` (the server alone on the public set), the ``reamFL`` variants,
+``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`).
+All federated methods share one compiled round (the variant is a runtime
+argument); ``local`` has its own. After every ``eval_every`` rounds (and the
+last) the server is evaluated on a held-out test set of the embedded world
+(i2t / t2i Recall@1/5/10, several captions per image); the bytes of the
+selected clients go to each method's ledger. Workdir, checkpoints, resume,
+NaN guard and the files written are the loop's. At the end it prints and
+writes a table like CreamFL's Table 1 / FedMuscle's Table 3, plus bytes per
+round; :func:`summarize` gives the same table over seeds.
 
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints it
@@ -21,9 +22,9 @@ and exits with status 2).
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,13 +37,10 @@ from flax import nnx
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import creamfl
 from fedjax_mm.core import ledger as ledger_lib
-from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.client import apply_in_batches
+from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner import validation
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
-from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
-from fedjax_mm.runner.writers import MetricWriter, read_metrics
+from fedjax_mm.runner.errors import ConfigError
 
 LOCAL = "local"
 METHODS = (LOCAL, *creamfl.VARIANTS)
@@ -273,7 +271,7 @@ def build(config):
 
 
 # ----------------------------------------------------------------------------
-# The loop
+# The experiment
 
 
 def _bytes_per_client(config, clients) -> tuple[np.ndarray, np.ndarray]:
@@ -288,192 +286,131 @@ def _bytes_per_client(config, clients) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(up, np.int64), np.asarray(downs, np.int64)
 
 
-def _pack(tree: Any) -> dict[str, jax.Array]:
-  """The leaves of ``tree`` as one flat array per dtype (typed keys as their key data).
-
-  Orbax spends milliseconds per leaf; a run holds one state per method with
-  hundreds of leaves each, so the checkpoint stores these few long vectors
-  instead (bit-exact, see :func:`_unpack`).
-  """
-  groups: dict[str, list[jax.Array]] = {}
-  for leaf in jax.tree.leaves(tree):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    groups.setdefault(str(leaf.dtype), []).append(jnp.ravel(leaf))
-  return {dtype: jnp.concatenate(parts) for dtype, parts in groups.items()}
-
-
-def _unpack(packed: Mapping[str, Any], template: Any) -> Any:
-  """Inverse of :func:`_pack`: the arrays of ``packed`` in the structure of ``template``."""
-  leaves, treedef = jax.tree.flatten(template)
-  offsets = dict.fromkeys(packed, 0)
-  out = []
-  for leaf in leaves:
-    is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-    shape = jax.random.key_data(leaf).shape if is_key else leaf.shape
-    dtype = str(jax.random.key_data(leaf).dtype if is_key else leaf.dtype)
-    size = int(np.prod(shape))
-    value = jnp.asarray(packed[dtype][offsets[dtype] : offsets[dtype] + size]).reshape(shape)
-    offsets[dtype] += size
-    out.append(jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf)) if is_key else value)
-  return jax.tree.unflatten(treedef, out)
-
-
-def _progress(iterable, start, total, enabled):
-  if not enabled:
-    return iterable
-  from tqdm.auto import tqdm
-
-  return tqdm(iterable, initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
-
-
 def _r1_sum(recall: Mapping[str, float]) -> float:
   return recall["i2t_R@1"] + recall["t2i_R@1"]
+
+
+def experiment(config) -> loop.Experiment:
+  """Every method of ``config.methods`` side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
+
+  Every method starts from a copy of the same initial server and clients.
+  The federated methods share one compiled round (the variant is a runtime
+  argument), ``local`` has its own; the server is evaluated every
+  ``eval_every`` rounds and after the last, and selected clients' bytes go to
+  each method's ledger.
+  """
+  clients, states, train_data, server, server_params, public, test, names = build(config)
+  methods = tuple(config.methods)
+  cc = _cream_config(config)
+  mesh = core.client_mesh(1)
+  fed = creamfl.creamfl(clients, server, cc)
+  local = creamfl.server_only(server, cc)
+  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+  fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
+  local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
+  variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
+  rounds = {
+    m: local_step if m == LOCAL else functools.partial(fed_step, v=variants[m]) for m in methods
+  }
+
+  @jax.jit
+  def embed(params):
+    model = server.merge(params)
+    images = apply_in_batches(lambda x: model.represent(x, "image"), test["image"], 256)
+    texts = apply_in_batches(lambda x: model.represent(x, "text"), test["caption"], 256)
+    return images, texts
+
+  def evaluate(s) -> dict[str, float]:
+    images, texts = embed(s.server_params)
+    recall = metrics.image_text_recall(images, texts, test["ids"], folds=config.test.folds)
+    return {k: float(recall[k]) for k in RECALL_KEYS}
+
+  def nonfinite(out) -> list[str]:
+    bad = [] if bool(out["server_finite"]) else ["the server"]
+    if "client_finite" in out:
+      flags = np.concatenate([np.asarray(f) for f in out["client_finite"]])
+      bad += [names[i] for i in np.flatnonzero(~flags)]
+    return bad
+
+  up_bytes, down_bytes = _bytes_per_client(config, clients)
+
+  def traffic(m, out):
+    if m == LOCAL:
+      return None
+    active = np.concatenate([np.asarray(a) for a in out["active"]])
+    return np.where(active, up_bytes, 0), np.where(active, down_bytes, 0)
+
+  def scalars(r, outs, evals):
+    values = {}
+    for m in methods:
+      values[f"{m}/server_loss"] = float(outs[m]["server_loss"])
+      if m != LOCAL:
+        values[f"{m}/kd_loss"] = float(outs[m]["kd_loss"])
+      if m in evals:
+        values |= {f"{m}/{k}": v for k, v in evals[m].items()}
+    return [("creamfl", values)]
+
+  def postfix(evals):
+    if not evals:
+      return {}
+    best = max(evals, key=lambda m: _r1_sum(evals[m]))
+    return {"best": f"{best} {_r1_sum(evals[best]):.1f}"}
+
+  return loop.Experiment(
+    init=lambda: {
+      m: jax.tree.map(jnp.copy, fed.init(server_params, states, init_key)).place(mesh)
+      for m in methods
+    },
+    methods=rounds,
+    evaluate=evaluate,
+    nonfinite=nonfinite,
+    scalars=scalars,
+    runs=("creamfl",),
+    report=lambda outcome: _report(config, methods, outcome),
+    traffic=traffic,
+    eval_every=config.eval_every,
+    postfix=postfix,
+  )
 
 
 def run(
   config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
-  """Trains every method of ``config.methods``; writes metrics, checkpoints and the report.
+  """Trains every method of ``config.methods`` in ``workdir``; resumes a run killed there.
 
   Returns:
     the final results (also written to ``results.json``).
   """
-  clients, states, train_data, server, server_params, public, test, names = build(config)
-  workdir = pathlib.Path(workdir)
-  with lock_workdir(workdir):  # One run per workdir; before anything is written.
-    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-    started = time.time()
-    methods = tuple(config.methods)
-    cc = _cream_config(config)
-
-    mesh = core.client_mesh(1)
-    fed = creamfl.creamfl(clients, server, cc)
-    local = creamfl.server_only(server, cc)
-    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-    variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
-    # Each method owns a copy of the same initial state: rounds donate their input.
-    make_states = lambda: {
-      m: jax.tree.map(jnp.copy, fed.init(server_params, states, init_key)) for m in methods
-    }
-    state = {m: s.place(mesh) for m, s in make_states().items()}
-
-    fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
-    local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
-
-    @jax.jit
-    def embed(params):
-      model = server.merge(params)
-      images = apply_in_batches(lambda x: model.represent(x, "image"), test["image"], 256)
-      texts = apply_in_batches(lambda x: model.represent(x, "text"), test["caption"], 256)
-      return images, texts
-
-    def evaluate(s) -> dict[str, float]:
-      images, texts = embed(s.server_params)
-      recall = metrics.image_text_recall(images, texts, test["ids"], folds=config.test.folds)
-      return {k: float(recall[k]) for k in RECALL_KEYS}
-
-    pack = jax.jit(lambda states: {m: _pack(s) for m, s in states.items()})
-    checkpointer = Checkpointer(
-      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-    )
-    start_round = 0
-    ledgers = {m: ledger_lib.Ledger.zeros(len(names)) for m in methods}
-    if resumed and checkpointer.latest_step() is not None:
-      target = jax.eval_shape(lambda: {m: _pack(s) for m, s in state.items()})
-      start_round, packed = checkpointer.restore_latest_good(target)
-      state = {m: _unpack(packed[m], state[m]).place(mesh) for m in methods}
-      stored = checkpointer.restore_metadata(start_round)["ledgers"]
-      ledgers = {m: ledger_lib.Ledger.from_dict(stored[m]) for m in methods}
-    writer = MetricWriter(workdir, "creamfl", resume_round=start_round if resumed else None)
-    history = _load_history(workdir, methods, start_round)
-    up_bytes, down_bytes = _bytes_per_client(config, clients)
-
-    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-    results: dict[str, dict[str, float]] = {}
-    for r in bar:
-      evaluate_now = (r + 1) % config.eval_every == 0 or r + 1 == config.rounds
-      scalars = {}
-      for m in methods:
-        if m == LOCAL:
-          state[m], out = local_step(state[m])
-        else:
-          state[m], out = fed_step(state[m], variants[m])
-        _check_finite(m, r, out, names, checkpointer)
-        scalars[f"{m}/server_loss"] = float(out["server_loss"])
-        if m != LOCAL:
-          active = np.concatenate([np.asarray(a) for a in out["active"]])
-          ledgers[m] = ledgers[m].add(
-            up=np.where(active, up_bytes, 0), down=np.where(active, down_bytes, 0), round=r + 1
-          )
-          scalars[f"{m}/kd_loss"] = float(out["kd_loss"])
-        if evaluate_now:
-          results[m] = evaluate(state[m])
-          scalars |= {f"{m}/{k}": v for k, v in results[m].items()}
-          history[m].append((r + 1, _r1_sum(results[m])))
-      writer.write(r + 1, scalars)
-      checkpointer.save(r + 1, pack(state), metadata={"round": r + 1, "ledgers": ledgers})
-      if evaluate_now and hasattr(bar, "set_postfix"):
-        best = max(results, key=lambda m: _r1_sum(results[m]))
-        bar.set_postfix(best=f"{best} {_r1_sum(results[best]):.1f}")
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
-
-    if not results:  # A run resumed after its last round evaluates anew.
-      results = {m: evaluate(state[m]) for m in methods}
-    wall = time.time() - started
-    return _report(config, workdir, methods, results, history, ledgers, wall, start_round)
+  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
-def _check_finite(method, r, out, names, checkpointer):
-  bad = [] if bool(out["server_finite"]) else ["the server"]
-  if "client_finite" in out:
-    flags = np.concatenate([np.asarray(f) for f in out["client_finite"]])
-    bad += [names[i] for i in np.flatnonzero(~flags)]
-  if bad:
-    raise NonFiniteError(
-      f"{method} round {r + 1}: an update produced NaN/Inf for {', '.join(bad)}; "
-      f"{checkpoint_note(checkpointer.latest_step())}."
-    )
-
-
-def _load_history(workdir, methods, start_round):
-  """R@1 sums of the rounds before a resume, read back from metrics.jsonl."""
-  history = {m: [] for m in methods}
-  if not start_round:
-    return history
-  for record in read_metrics(workdir):
-    if record["round"] > start_round:
-      continue
-    for m in methods:
-      if f"{m}/i2t_R@1" in record:
-        history[m].append((record["round"], record[f"{m}/i2t_R@1"] + record[f"{m}/t2i_R@1"]))
-  return history
-
-
-def _report(config, workdir, methods, results, history, ledgers, wall, start_round):
+def _report(config, methods, outcome: loop.Outcome) -> loop.Report:
+  """The Recall@K table of CreamFL's Table 1 / FedMuscle's Table 3, plus bytes per round."""
+  results, rounds = outcome.final, config.rounds
   fmt = report_lib.format_table
-  rounds = config.rounds
   local_sum = _r1_sum(results[LOCAL]) if LOCAL in results else None
   rows = []
   traffic = {}
   for m in methods:
     rec = results[m]
-    traffic[m] = {
-      "up_per_round": ledgers[m].total_up / rounds,
-      "down_per_round": ledgers[m].total_down / rounds,
-    }
-    per_round = (ledgers[m].total_up + ledgers[m].total_down) / rounds
+    ledger = outcome.ledgers.get(m)  # None: the method sent nothing.
+    up, down = (ledger.total_up, ledger.total_down) if ledger else (0, 0)
+    traffic[m] = {"up_per_round": up / rounds, "down_per_round": down / rounds}
     gain = "" if local_sum is None else f"{_r1_sum(rec) - local_sum:+.2f}"
     rows.append(
       [m]
       + [rec[k] for k in RECALL_KEYS]
-      + [_r1_sum(rec), sum(rec[k] for k in RECALL_KEYS), gain, ledger_lib.format_bytes(per_round)]
+      + [
+        _r1_sum(rec),
+        sum(rec[k] for k in RECALL_KEYS),
+        gain,
+        ledger_lib.format_bytes((up + down) / rounds),
+      ]
     )
   headers = ["method", *RECALL_KEYS, "R@1_sum", "RSUM", "vs local", "bytes/round"]
   table = fmt(headers, rows)
   protocol = "full set" if config.test.folds is None else f"{config.test.folds} folds"
+  wall, start_round = outcome.wall_time_s, outcome.resumed_at
   summary = (
     f"Server ({config.server.image_encoder} + {config.server.text_encoder}) after {rounds} rounds; "
     f"Recall@K (%) on {config.test.size} held-out test images x {data.WorldConfig().captions_per_image} "
@@ -482,17 +419,14 @@ def _report(config, workdir, methods, results, history, ledgers, wall, start_rou
     f"seed {config.seed}; wall time {wall:.0f} s"
     + (f" (resumed at round {start_round})" if start_round else "")
   )
-  report_lib.write_report(
-    workdir / "report.md",
-    title="CreamFL and its variants: server image-text retrieval",
-    sections=[("Result", summary), ("Recall@K (%)", table), ("Curves", "![R@1 sum](curves.png)")],
-  )
-  report_lib.plot_curves(
-    workdir / "curves.png",
-    {"server R@1_sum (i2t + t2i)": {m: history[m] for m in methods}},
-    title="Server retrieval on the test set",
-    ylabel="R@1 sum (%)",
-  )
+  history = {
+    m: [
+      (record["round"], record[f"{m}/i2t_R@1"] + record[f"{m}/t2i_R@1"])
+      for record in outcome.history
+      if f"{m}/i2t_R@1" in record
+    ]
+    for m in methods
+  }
   result = {
     "recall": results,
     "r1_sum": {m: _r1_sum(results[m]) for m in methods},
@@ -502,9 +436,19 @@ def _report(config, workdir, methods, results, history, ledgers, wall, start_rou
     "seed": config.seed,
     "wall_time_s": wall,
   }
-  (workdir / "results.json").write_text(json.dumps(result, indent=2))
-  print("\n" + table + "\n\n" + summary)
-  return result
+  return loop.Report(
+    title="CreamFL and its variants: server image-text retrieval",
+    sections=[("Result", summary), ("Recall@K (%)", table), ("Curves", "![R@1 sum](curves.png)")],
+    plots={
+      "curves.png": loop.Curves(
+        {"server R@1_sum (i2t + t2i)": history},
+        "Server retrieval on the test set",
+        "R@1 sum (%)",
+      )
+    },
+    results=result,
+    text=table + "\n\n" + summary,
+  )
 
 
 def summarize(workdirs) -> str:

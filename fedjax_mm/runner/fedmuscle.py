@@ -1,16 +1,16 @@
-"""The FedMuscle experiment: users, data, the loop, the report.
+"""The FedMuscle experiment: users, data, each round's metrics, the report.
 
 ``run(config, workdir)`` is what ``python -m experiments.main
---config=experiments/fedmuscle.py`` calls. It trains FedMuscle and local
-training side by side, from the same initial models and the same data and
-seeds, for ``config.rounds`` rounds. Each round is one jitted call per
-algorithm (compiled once). After every round it evaluates every user on its
-own test set, writes metrics (JSONL + TensorBoard) and checkpoints both states
-(Orbax). A rerun of the same command resumes from the last checkpoint. At the
-end it prints and writes the paper-style table (Table 1): per user its model,
-task, metric, FedMuscle, local training and the relative gain, the overall
-Delta, the bytes each user sends and receives per round under both downlink
-protocols, and the wall time.
+--config=experiments/fedmuscle.py`` calls: :func:`fedjax_mm.runner.loop.run`
+of :func:`experiment`, which trains FedMuscle and local training side by side,
+from the same initial models and the same data and seeds, for
+``config.rounds`` rounds (workdir, checkpoints, resume, NaN guard, ledger and
+the files written are the loop's). Each round is one jitted call per
+algorithm (compiled once); after every round every user is evaluated on its
+own test set. At the end it prints and writes the paper-style table (Table 1):
+per user its model, task, metric, FedMuscle, local training and the relative
+gain beside the trivial baseline, the overall Delta, the bytes each user sends
+and receives per round under both downlink protocols, and the wall time.
 
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
@@ -20,11 +20,9 @@ it and exits with status 2).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,12 +33,10 @@ import optax
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import fedmuscle, local_training
 from fedjax_mm.core import ledger as ledger_lib
-from fedjax_mm.core.checkpoint import Checkpointer
+from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner import validation
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
-from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
-from fedjax_mm.runner.writers import MetricWriter, read_metrics
+from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.writers import metric_series
 
 #: Task name -> (kind, input key, target key, outputs, head).
 TASKS: dict[str, tuple[str, str, str, int, str]] = {
@@ -216,112 +212,82 @@ def _bytes_per_round(config, num_batches: int) -> dict[str, int]:
   return out
 
 
+def experiment(config) -> loop.Experiment:
+  """FedMuscle and local training side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
+
+  Both start from identical initial states (each owns a copy: rounds donate
+  their input); each round is one jitted call per algorithm. After every round
+  every user is evaluated on its own test set; only FedMuscle's users send
+  (the ledger counts the downlink that ran).
+  """
+  users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
+  mc = _muscle_config(config)
+  mesh = core.client_mesh(1)
+  algs = {"fedmuscle": fedmuscle.fedmuscle(groups, mc), "local": local_training(groups)}
+  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+
+  def step(name):
+    inputs = (train_data, public) if name == "fedmuscle" else (train_data,)
+
+    def fn(s):
+      s, stats = algs[name].round(s, *inputs)
+      return s, {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
+
+    return jax.jit(fn, donate_argnums=0)
+
+  evaluate_groups = jax.jit(
+    lambda s: [
+      core.evaluate_group(g, gs, d) for g, gs, d in zip(groups, s.groups, test_data, strict=True)
+    ]
+  )
+
+  def evaluate(s) -> list[float]:
+    """Each user's test metric (its group holds it alone)."""
+    per_group = evaluate_groups(s)
+    return [
+      float(np.asarray(m[g.task.metric_name])[0]) for m, g in zip(per_group, groups, strict=True)
+    ]
+
+  traffic = _bytes_per_round(config, config.public.size // mc.batch_size)
+  sent = (np.full(len(users), traffic["up"]), np.full(len(users), traffic[f"down_{mc.downlink}"]))
+
+  def scalars(r, outs, evals):
+    rows = []
+    for name in METHODS:
+      values = {
+        f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(evals[name])
+      }
+      if outs[name]["cl_loss"] is not None:
+        losses = np.asarray(outs[name]["cl_loss"])
+        values |= {f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(losses)}
+      rows.append((name, values))
+    return rows + [("fedmuscle", {"delta": _delta(evals["fedmuscle"], evals["local"])[0]})]
+
+  return loop.Experiment(
+    init=lambda: {
+      name: jax.tree.map(jnp.copy, alg.init(states, init_key)).place(mesh)
+      for name, alg in algs.items()
+    },
+    methods={name: step(name) for name in METHODS},
+    evaluate=evaluate,
+    nonfinite=lambda out: [users[i].name for i in np.flatnonzero(~np.asarray(out["finite"]))],
+    scalars=scalars,
+    runs=METHODS,
+    report=lambda outcome: _report(config, users, groups, traffic, trivial, outcome),
+    traffic=lambda name, out: sent if name == "fedmuscle" else None,
+    postfix=lambda evals: {"delta": f"{100 * _delta(evals['fedmuscle'], evals['local'])[0]:+.1f}%"},
+  )
+
+
 def run(
   config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
-  """Trains FedMuscle and local training; writes metrics, checkpoints and the report.
+  """Trains FedMuscle and local training in ``workdir``; resumes a run killed there.
 
   Returns:
     the final results (also written to ``results.json``).
   """
-  users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
-  workdir = pathlib.Path(workdir)
-  with lock_workdir(workdir):  # One run per workdir; before anything is written.
-    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-    started = time.time()
-
-    mesh = core.client_mesh(1)
-    mc = _muscle_config(config)
-    algs = {"fedmuscle": fedmuscle.fedmuscle(groups, mc), "local": local_training(groups)}
-    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-    # Each algorithm owns a copy: rounds donate their input state.
-    make_states = lambda: {
-      name: jax.tree.map(jnp.copy, alg.init(states, init_key)) for name, alg in algs.items()
-    }
-    state = {name: s.place(mesh) for name, s in make_states().items()}
-
-    def step(name):
-      def fn(s):
-        if name == "fedmuscle":
-          s, stats = algs[name].round(s, train_data, public)
-        else:
-          s, stats = algs[name].round(s, train_data)
-        return s, {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
-
-      return jax.jit(fn, donate_argnums=0)
-
-    steps = {name: step(name) for name in algs}
-    evaluate = jax.jit(
-      lambda s: [
-        core.evaluate_group(g, gs, d) for g, gs, d in zip(groups, s.groups, test_data, strict=True)
-      ]
-    )
-
-    checkpointer = Checkpointer(
-      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-    )
-    start_round = 0
-    if resumed and checkpointer.latest_step() is not None:
-      target = {name: s.place(mesh) for name, s in jax.eval_shape(make_states).items()}
-      start_round, state = checkpointer.restore_latest_good(target)
-    writers = {
-      name: MetricWriter(workdir, name, resume_round=start_round if resumed else None)
-      for name in algs
-    }
-    history = _load_history(workdir, users, start_round)
-
-    num_batches = config.public.size // mc.batch_size
-    traffic = _bytes_per_round(config, num_batches)
-    ledger = ledger_lib.Ledger.zeros(len(users))
-    if start_round:  # The ledger travels with the checkpoint, so a resume continues its counts.
-      ledger = ledger_lib.Ledger.from_dict(checkpointer.restore_metadata(start_round)["ledger"])
-    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-    results = None
-    for r in bar:
-      results = {}
-      for name in algs:
-        state[name], out = steps[name](state[name])
-        finite = np.asarray(out["finite"])
-        if not finite.all():
-          bad = [users[i].name for i in np.flatnonzero(~finite)]
-          raise NonFiniteError(
-            f"{name} round {r + 1}: a client update produced NaN/Inf for {', '.join(bad)}; "
-            f"{checkpoint_note(checkpointer.latest_step())}."
-          )
-        results[name] = _user_metrics(evaluate(state[name]), groups)
-        scalars = {
-          f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(results[name])
-        }
-        if out["cl_loss"] is not None:
-          scalars |= {
-            f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(np.asarray(out["cl_loss"]))
-          }
-        writers[name].write(r + 1, scalars)
-      delta, _ = _delta(results["fedmuscle"], results["local"])
-      writers["fedmuscle"].write(r + 1, {"delta": delta})
-      for name in algs:
-        for i, v in enumerate(results[name]):
-          history[name][i].append((r + 1, v))
-      history["delta"].append((r + 1, delta))
-      up = np.full(len(users), traffic["up"])
-      ledger = ledger.add(
-        up=up, down=np.full(len(users), traffic[f"down_{mc.downlink}"]), round=r + 1
-      )
-      checkpointer.save(r + 1, state, metadata={"round": r + 1, "delta": delta, "ledger": ledger})
-      if hasattr(bar, "set_postfix"):
-        bar.set_postfix(delta=f"{100 * delta:+.1f}%")
-    checkpointer.wait()
-    checkpointer.close()
-    for w in writers.values():
-      w.close()
-
-    # The last round's evaluation is final; only a run resumed after its last round evaluates anew.
-    final = results or {name: _user_metrics(evaluate(state[name]), groups) for name in algs}
-    totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
-    wall = time.time() - started
-    return _report(
-      config, workdir, users, groups, final, history, traffic, totals, wall, start_round, trivial
-    )
+  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
 def _delta(alg: Sequence[float], local: Sequence[float]) -> tuple[float, list[int]]:
@@ -340,38 +306,6 @@ def _delta(alg: Sequence[float], local: Sequence[float]) -> tuple[float, list[in
   return float(value), [int(i) for i in np.flatnonzero(~defined)]
 
 
-def _progress(iterable, start, total, enabled):
-  if not enabled:
-    return iterable
-  from tqdm.auto import tqdm
-
-  return tqdm(iterable, initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
-
-
-def _user_metrics(per_group: Sequence[Mapping[str, jax.Array]], groups) -> list[float]:
-  return [
-    float(np.asarray(m[g.task.metric_name])[0]) for m, g in zip(per_group, groups, strict=True)
-  ]
-
-
-def _load_history(workdir, users, start_round):
-  """Curves of the rounds before a resume, read back from metrics.jsonl."""
-  history = {name: [[] for _ in users] for name in METHODS} | {"delta": []}
-  if not start_round:
-    return history
-  for record in read_metrics(workdir):
-    r = record["round"]
-    if r > start_round:
-      continue
-    for key, value in record.items():
-      if key == "delta":
-        history["delta"].append((r, value))
-      elif "/" in key and not key.endswith("cl_loss"):
-        index = int(key.split("/")[0].removeprefix("user")) - 1
-        history[record["run"]][index].append((r, value))
-  return history
-
-
 def _downlink_note(downlink: str) -> str:
   """What each user receives under the downlink that ran (the same loss either way)."""
   if downlink == "factored":
@@ -388,9 +322,9 @@ def _downlink_note(downlink: str) -> str:
   )
 
 
-def _report(
-  config, workdir, users, groups, final, history, traffic, totals, wall, start_round, trivial
-):
+def _report(config, users, groups, traffic, trivial, outcome: loop.Outcome) -> loop.Report:
+  """Table 1 of the paper for this run: per user, FedMuscle vs local training, Delta, bytes."""
+  final, history = outcome.final, outcome.history
   fmt = report_lib.format_table
   rows = []
   for u, g in zip(users, groups, strict=True):
@@ -422,6 +356,8 @@ def _report(
     ],
     rows,
   )
+  ledger = outcome.ledgers["fedmuscle"]
+  totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
   mb = lambda n: ledger_lib.format_bytes(n)
   traffic_table = fmt(
     ["per user and round", "bytes"],
@@ -436,6 +372,7 @@ def _report(
       ],
     ],
   )
+  wall, start_round = outcome.wall_time_s, outcome.resumed_at
   summary = (
     f"Delta = {report_lib.percent(delta)} over {len(users) - len(excluded)} of {len(users)} users "
     f"after {config.rounds} rounds "
@@ -446,31 +383,16 @@ def _report(
   if excluded:
     names = ", ".join(users[i].name for i in excluded)
     summary += f". Left out of Delta: {names}, which scored 0 under local training"
-  report_lib.write_report(
-    workdir / "report.md",
-    title="FedMuscle vs local training",
-    sections=[
-      ("Result", summary),
-      ("Per user (metric in %; trivial: majority class / every label present)", table),
-      ("Communication", traffic_table + "\n\n" + _downlink_note(config.muscle.downlink)),
-    ],
+  curve = lambda run, u: metric_series(
+    history, f"{u.name}/{groups[u.index].task.metric_name}", run=run
   )
   series = {
     f"{u.name} ({u.encoder}/{u.task})": {
-      "FedMuscle": history["fedmuscle"][u.index],
-      "local": history["local"][u.index],
+      "FedMuscle": curve("fedmuscle", u),
+      "local": curve("local", u),
     }
     for u in users
   }
-  report_lib.plot_curves(
-    workdir / "metrics.png", series, title="Test metric per round", ylabel="metric"
-  )
-  report_lib.plot_curves(
-    workdir / "delta.png",
-    {"Delta": {"FedMuscle vs local": history["delta"]}},
-    title="Delta per round",
-    ylabel="Delta",
-  )
   result = {
     "delta": delta,
     "delta_excluded_users": [users[i].name for i in excluded],
@@ -482,6 +404,21 @@ def _report(
     "rounds": config.rounds,
     "wall_time_s": wall,
   }
-  (workdir / "results.json").write_text(json.dumps(result, indent=2))
-  print("\n" + table + "\n\n" + traffic_table + "\n\n" + summary)
-  return result
+  return loop.Report(
+    title="FedMuscle vs local training",
+    sections=[
+      ("Result", summary),
+      ("Per user (metric in %; trivial: majority class / every label present)", table),
+      ("Communication", traffic_table + "\n\n" + _downlink_note(config.muscle.downlink)),
+    ],
+    plots={
+      "metrics.png": loop.Curves(series, "Test metric per round", "metric"),
+      "delta.png": loop.Curves(
+        {"Delta": {"FedMuscle vs local": metric_series(history, "delta", run="fedmuscle")}},
+        "Delta per round",
+        "Delta",
+      ),
+    },
+    results=result,
+    text=table + "\n\n" + traffic_table + "\n\n" + summary,
+  )

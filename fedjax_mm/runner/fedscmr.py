@@ -1,16 +1,17 @@
-"""The FedSCMR experiment: features, clients, the eight systems, the loop, the tables.
+"""The FedSCMR experiment: features, clients, the eight systems, each round's metrics, the tables.
 
 ``run(config, workdir)`` is what ``python -m experiments.main
---config=experiments/fedscmr.py`` calls. It builds labelled image-text feature
-pairs (the embedded world through fixed, seeded encoders, or real precomputed
-features from an ``.npz``), splits them over the clients by class subsets, and
-trains every system of :data:`METHODS` side by side from the same initial
-models, for ``config.rounds`` rounds. Each round is one jitted call per system
-(compiled once). After every round it evaluates every client on its own test
-pairs (mAP@N and NDCG@N, image-to-text and text-to-image), writes metrics
-(JSONL + TensorBoard) and checkpoints all states (Orbax). A rerun of the same
-command resumes from the last checkpoint. At the end it prints and writes the
-tables of the paper's Tables 1-4 (:func:`tables`), a plot and ``results.json``.
+--config=experiments/fedscmr.py`` calls: :func:`fedjax_mm.runner.loop.run` of
+:func:`experiment`. It builds labelled image-text feature pairs (the embedded
+world through fixed, seeded encoders, or real precomputed features from an
+``.npz``), splits them over the clients by class subsets, and trains every
+system of :data:`METHODS` side by side from the same initial models, for
+``config.rounds`` rounds. Each round is one jitted call per system (compiled
+once). After every round it evaluates every client on its own test pairs
+(mAP@N and NDCG@N, image-to-text and text-to-image). Workdir, checkpoints,
+resume, NaN guard and the files written are the loop's. At the end it prints
+and writes the tables of the paper's Tables 1-4 (:func:`tables`), a plot and
+``results.json``; :func:`summarize` gives them over seeds.
 
 Everything is validated before anything is computed: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
@@ -41,7 +42,6 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,14 +53,11 @@ from flax import nnx
 
 from fedjax_mm import core, data, models
 from fedjax_mm.algorithms import fedscmr as alg_lib
-from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.data.cross_modal import PairedFeatures, class_demand, class_subset_split
 from fedjax_mm.models.scmr import ScmrModel
+from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner import validation
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError, checkpoint_note
-from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
-from fedjax_mm.runner.writers import MetricWriter, read_metrics
+from fedjax_mm.runner.errors import ConfigError
 
 #: System id -> name in the tables.
 METHODS: dict[str, str] = {
@@ -380,15 +377,7 @@ def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size):
 
 
 # ---------------------------------------------------------------------------
-# The loop
-
-
-def _progress(iterable, start, total, enabled):
-  if not enabled:
-    return iterable
-  from tqdm.auto import tqdm
-
-  return tqdm(iterable, initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
+# The experiment
 
 
 def _headline(client_metrics: Mapping[str, Mapping[str, float]], n: int) -> float:
@@ -400,133 +389,78 @@ def _headline(client_metrics: Mapping[str, Mapping[str, float]], n: int) -> floa
   )
 
 
+def experiment(config) -> loop.Experiment:
+  """Every configured system side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
+
+  Every system starts from a copy of the same initial clients; each round is
+  one jitted call per system; after every round every client is evaluated on
+  its own test pairs (mAP@N and NDCG@N in both directions).
+  """
+  group, init_state, train, test, num_classes, classes = build(config)  # Validates first.
+  names = [c["name"] for c in config.clients]
+  methods = tuple(config.methods)
+  ns = tuple(int(n) for n in config.ns)
+  mesh = core.client_mesh(1)
+  algs = {m: alg_lib.fedscmr(group, method_config(config, m, num_classes)) for m in methods}
+  init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+
+  def step(m):
+    def fn(s):
+      s, stats = algs[m].round(s, train)
+      return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
+
+    return jax.jit(fn, donate_argnums=0)
+
+  evaluate_clients = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+
+  def evaluate(s) -> dict[str, dict[str, float]]:
+    """Client name -> its metrics."""
+    values = {k: np.asarray(v) for k, v in evaluate_clients(s).items()}
+    return {name: {k: float(v[i]) for k, v in values.items()} for i, name in enumerate(names)}
+
+  def scalars(r, outs, evals):
+    rows = []
+    for m in methods:
+      values = {}
+      for i, name in enumerate(names):
+        values |= {f"{name}/{k}": v for k, v in evals[m][name].items()}
+        values[f"{name}/train_loss"] = float(outs[m]["loss"][i])
+        values[f"{name}/train_map"] = float(outs[m]["map"][i])
+        values[f"{name}/weight"] = float(np.asarray(outs[m]["weight"])[i])
+      rows.append((m, values))
+    return rows
+
+  def postfix(evals):
+    if "fedscmr" not in evals:
+      return {}
+    return {f"FedSCMR mAP@{ns[-1]}": f"{_headline(evals['fedscmr'], ns[-1]):.3f}"}
+
+  return loop.Experiment(
+    init=lambda: {
+      m: jax.tree.map(jnp.copy, alg.init(init_state, init_key)).place(mesh)
+      for m, alg in algs.items()
+    },
+    methods={m: step(m) for m in methods},
+    evaluate=evaluate,
+    nonfinite=lambda out: [
+      f"client {names[i]}" for i in np.flatnonzero(~np.asarray(out["finite"]))
+    ],
+    scalars=scalars,
+    runs=methods,
+    report=lambda outcome: _report(config, names, classes, ns, outcome),
+    postfix=postfix,
+  )
+
+
 def run(
   config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
-  """Trains every configured system; writes metrics, checkpoints and the report.
+  """Trains every configured system in ``workdir``; resumes a run killed there.
 
   Returns:
     the final results (also written to ``results.json``).
   """
-  group, init_state, train, test, num_classes, classes = build(config)  # Validates first.
-  workdir = pathlib.Path(workdir)
-  with lock_workdir(workdir):  # One run per workdir; before anything is written.
-    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
-    started = time.time()
-    names = [c["name"] for c in config.clients]
-    methods = tuple(config.methods)
-    ns = tuple(int(n) for n in config.ns)
-
-    mesh = core.client_mesh(1)
-    algs = {m: alg_lib.fedscmr(group, method_config(config, m, num_classes)) for m in methods}
-    init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-    # Each system owns a copy: rounds donate their input state.
-    make_states = lambda: {
-      m: jax.tree.map(jnp.copy, alg.init(init_state, init_key)) for m, alg in algs.items()
-    }
-    state = {m: s.place(mesh) for m, s in make_states().items()}
-
-    def step(m):
-      def fn(s):
-        s, stats = algs[m].round(s, train)
-        return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
-
-      return jax.jit(fn, donate_argnums=0)
-
-    steps = {m: step(m) for m in methods}
-    evaluate = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
-
-    checkpointer = Checkpointer(
-      workdir / "checkpoints", max_to_keep=2, save_interval_steps=config.checkpoint_every
-    )
-    start_round = 0
-    if resumed and checkpointer.latest_step() is not None:
-      target = {m: s.place(mesh) for m, s in jax.eval_shape(make_states).items()}
-      start_round, state = checkpointer.restore_latest_good(target)
-    writers = _open_writers(workdir, methods, start_round if resumed else None)
-    history = _load_history(workdir, methods, names, start_round, ns[-1])
-
-    bar = _progress(range(start_round, config.rounds), start_round, config.rounds, progress)
-    final, weights = None, {}
-    for r in bar:
-      final = {}
-      for m in methods:
-        state[m], out = steps[m](state[m])
-        finite = np.asarray(out["finite"])
-        if not finite.all():
-          bad = [names[i] for i in np.flatnonzero(~finite)]
-          raise NonFiniteError(
-            f"{m} round {r + 1}: a client update produced NaN/Inf for client "
-            f"{', '.join(bad)}; {checkpoint_note(checkpointer.latest_step())}."
-          )
-        final[m] = _client_metrics(evaluate(state[m]), names)
-        weights[m] = [float(w) for w in np.asarray(out["weight"])]
-        scalars = {}
-        for i, name in enumerate(names):
-          scalars |= {f"{name}/{k}": v for k, v in final[m][name].items()}
-          scalars[f"{name}/train_loss"] = float(out["loss"][i])
-          scalars[f"{name}/train_map"] = float(out["map"][i])
-          scalars[f"{name}/weight"] = weights[m][i]
-        writers[m].write(r + 1, scalars)
-        for name in names:
-          history[m][name].append((r + 1, _headline({name: final[m][name]}, ns[-1])))
-      checkpointer.save(r + 1, state, metadata={"round": r + 1, "weights": weights})
-      if hasattr(bar, "set_postfix") and "fedscmr" in final:
-        bar.set_postfix({f"FedSCMR mAP@{ns[-1]}": f"{_headline(final['fedscmr'], ns[-1]):.3f}"})
-    checkpointer.wait()
-    if final is None:  # Resumed after the last round: evaluate the restored states.
-      final = {m: _client_metrics(evaluate(state[m]), names) for m in methods}
-      weights = checkpointer.restore_metadata(start_round).get("weights", {})
-    checkpointer.close()
-    for w in writers.values():
-      w.close()
-    wall = time.time() - started
-    result = {
-      "clients": names,
-      "classes": {n: [int(c) for c in cs] for n, cs in zip(names, classes, strict=True)},
-      "methods": final,
-      "last_weights": weights,
-      "ns": list(ns),
-      "rounds": config.rounds,
-      "seed": config.seed,
-      "wall_time_s": wall,
-    }
-    return _report(config, workdir, result, history, start_round)
-
-
-def _open_writers(workdir, methods, resume_round):
-  """One :class:`MetricWriter` per system, sharing ``metrics.jsonl``.
-
-  On resume, each writer drops its run's rounds past the checkpoint by rewriting
-  the file (atomic rename), which would orphan the open handle of a writer made
-  before it; so every run's lines are dropped first, by writers closed at once
-  (their TensorBoard purge events stay), and the writers are then reopened.
-  """
-  if resume_round is not None:
-    for m in methods:
-      MetricWriter(workdir, m, resume_round=resume_round).close()
-  return {m: MetricWriter(workdir, m) for m in methods}
-
-
-def _client_metrics(per_client: Mapping[str, jax.Array], names: Sequence[str]):
-  values = {k: np.asarray(v) for k, v in per_client.items()}
-  return {name: {k: float(v[i]) for k, v in values.items()} for i, name in enumerate(names)}
-
-
-def _load_history(workdir, methods, names, start_round, n):
-  """Curves of the rounds before a resume, read back from metrics.jsonl."""
-  history = {m: {name: [] for name in names} for m in methods}
-  if not start_round:
-    return history
-  for record in read_metrics(workdir):
-    m, r = record["run"], record["round"]
-    if m not in history or r > start_round:
-      continue
-    for name in names:
-      keys = [f"{name}/mAP@{n}/{d}" for d, _ in DIRECTIONS]
-      if all(k in record for k in keys):
-        history[m][name].append((r, float(np.mean([record[k] for k in keys]))))
-  return history
+  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
 # ---------------------------------------------------------------------------
@@ -623,38 +557,56 @@ def ranking(results: Sequence[Mapping[str, Any]], *, baseline: str = "dscmr") ->
   return report_lib.format_table(headers, [row for _, row in rows])
 
 
-def _report(config, workdir, result, history, start_round):
+def _report(config, names, classes, ns, outcome: loop.Outcome) -> loop.Report:
+  """The ranking and the paper's Tables 1-4 for this run, mAP curves, ``results.json``.
+
+  The aggregation weights of the last round come from its ``metrics.jsonl``
+  lines, so a run resumed after its last round reports them too.
+  """
+  n = ns[-1]
+  history = {m: {name: [] for name in names} for m in outcome.final}
+  last_weights = {}
+  for record in outcome.history:
+    m = record["run"]
+    for name in names:
+      keys = [f"{name}/mAP@{n}/{d}" for d, _ in DIRECTIONS]
+      history[m][name].append((record["round"], float(np.mean([record[k] for k in keys]))))
+    if record["round"] == config.rounds:
+      last_weights[m] = [record[f"{name}/weight"] for name in names]
+  result = {
+    "clients": names,
+    "classes": {name: [int(c) for c in cs] for name, cs in zip(names, classes, strict=True)},
+    "methods": outcome.final,
+    "last_weights": {m: last_weights[m] for m in outcome.final},
+    "ns": list(ns),
+    "rounds": config.rounds,
+    "seed": config.seed,
+    "wall_time_s": outcome.wall_time_s,
+  }
   t = tables([result])
   rank = ranking([result])
-  names = result["clients"]
-  classes = ", ".join(f"{n}: {len(result['classes'][n])}" for n in names)
+  counts = ", ".join(f"{name}: {len(result['classes'][name])}" for name in names)
   summary = (
-    f"{len(names)} clients (classes {classes}; train sizes "
+    f"{len(names)} clients (classes {counts}; train sizes "
     f"{', '.join(str(c['train_size']) for c in config.clients)}; {config.test_size} test pairs "
     f"each) after {config.rounds} rounds of E={config.local_epochs} local epochs; seed "
-    f"{config.seed}; wall time {result['wall_time_s']:.0f} s"
-    + (f" (resumed at round {start_round})" if start_round else "")
+    f"{config.seed}; wall time {outcome.wall_time_s:.0f} s"
+    + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
   )
   sections = [("Setup", summary), ("Ranking (mean over clients, N and directions)", rank)]
   if "main" in t:
     sections.append(("Systems (as the paper's Tables 1-2)", t["main"]))
   if "ablation" in t:
     sections.append(("Ablations (as the paper's Tables 3-4)", t["ablation"]))
-  sections.append(("Curves", "![mAP per round](metrics.png)"))
-  report_lib.write_report(
-    workdir / "report.md", title="FedSCMR and its baselines", sections=sections
-  )
-  n = result["ns"][-1]
   series = {f"client {name}": {METHODS[m]: history[m][name] for m in history} for name in names}
-  report_lib.plot_curves(
-    workdir / "metrics.png",
-    series,
-    title=f"Test mAP@{n} per round (mean of img2txt and txt2img)",
-    ylabel=f"mAP@{n}",
+  curves = loop.Curves(series, f"Test mAP@{n} per round (mean of img2txt and txt2img)", f"mAP@{n}")
+  return loop.Report(
+    title="FedSCMR and its baselines",
+    sections=[*sections, ("Curves", "![mAP per round](metrics.png)")],
+    plots={"metrics.png": curves},
+    results=result,
+    text="\n\n".join(f"{h}\n\n{b}" for h, b in sections),
   )
-  (workdir / "results.json").write_text(json.dumps(result, indent=2))
-  print("\n" + "\n\n".join(f"{h}\n\n{b}" for h, b in sections[:-1]))
-  return result
 
 
 def summarize(workdirs: Sequence[str | pathlib.Path]) -> str:

@@ -1,0 +1,341 @@
+"""The experiment loop: one for every system, which plugs in as an :class:`Experiment`.
+
+``python -m experiments.main --config=experiments/<system>.py`` ends in
+:func:`run`. A system (FedMuscle, CreamFL, FedSCMR, ...) says what it trains
+and how it reads its results; the loop does everything a run of any system
+needs, in one place:
+
+* **Validation first.** ``build(config)`` is called before the workdir is
+  touched: a bad config raises :class:`~fedjax_mm.runner.errors.ConfigError`
+  and nothing is written or compiled.
+* **Workdir.** :func:`~fedjax_mm.runner.workdir.lock_workdir` (one run per
+  workdir), then :func:`~fedjax_mm.runner.workdir.prepare_workdir`: a fresh
+  run, a resume (same config), or a refusal (another config; ``overwrite``
+  moves it aside).
+* **Resume, bit for bit.** Every method's state is checkpointed after every
+  ``config.checkpoint_every`` rounds and after the last one, with the
+  communication ledgers in the step's metadata. A rerun restores the newest
+  intact checkpoint (:meth:`~fedjax_mm.core.checkpoint.Checkpointer.restore_latest_good`
+  sets damaged ones aside), drops the metric lines of rounds after it, and
+  continues: the rounds that follow see exactly the arrays, keys and byte counts
+  they saw the first time, so ``metrics.jsonl`` and ``results.json`` equal an
+  uninterrupted run's (wall time aside), whenever the process was killed
+  (tested with SIGKILL inside a round, a checkpoint write and the report).
+* **Checkpoints packed per dtype.** Orbax spends milliseconds per leaf and a
+  run holds one state per method with hundreds of leaves each, so each state
+  is stored as one flat vector per dtype (typed PRNG keys as their key data)
+  and unpacked onto the shardings of the freshly built states.
+* **NaN/Inf guard.** After each method's round, :attr:`Experiment.nonfinite`
+  names whoever produced a non-finite update; the run stops with
+  :class:`~fedjax_mm.runner.errors.NonFiniteError` before that state is
+  evaluated, logged or saved, and the message says what a relaunch resumes from.
+* **Ledger.** :attr:`Experiment.traffic` gives the bytes each user sent and
+  received in a method's round; the loop keeps one
+  :class:`~fedjax_mm.core.ledger.Ledger` per method that sends anything, and
+  the checkpoint carries them, so a resumed run continues the same counts.
+* **Metrics, progress, report.** Rows of :attr:`Experiment.scalars` go to
+  ``metrics.jsonl`` and TensorBoard (one :class:`MetricWriter` per run name);
+  a progress bar shows :attr:`Experiment.postfix`. At the end
+  :attr:`Experiment.report` turns the last evaluation and the history read
+  back from ``metrics.jsonl`` (the same lines whether or not the run was
+  resumed) into a :class:`Report`, which the loop writes as ``report.md``, PNG
+  plots and ``results.json`` (atomically), and prints.
+
+Order within a round: every method in turn runs its round, is checked, is
+counted in the ledger, and is evaluated when the round is an evaluation round
+(every ``eval_every`` rounds and the last); then the round's metric rows are
+written, then the checkpoint is started (Orbax writes it in the background). A
+kill leaves at most rows of rounds newer than the newest finalised
+checkpoint, which the rerun drops and writes again.
+
+The interface follows fedjax's ``FederatedAlgorithm`` and optax's
+``GradientTransformation``: a tuple of functions with no hidden state. A system
+module defines ``experiment(config) -> Experiment`` and the entry point
+``run(config, workdir, ...) = loop.run(experiment, config, workdir, ...)``,
+and its config stem joins :data:`fedjax_mm.runner.EXPERIMENTS`, through which
+``experiments/main.py`` finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mm.core.checkpoint import Checkpointer
+from fedjax_mm.core.ledger import Ledger
+from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner.errors import NonFiniteError, checkpoint_note
+from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
+from fedjax_mm.runner.writers import MetricWriter, read_metrics
+
+__all__ = ["Curves", "Experiment", "Outcome", "Report", "run"]
+
+#: A method's jitted round: its state (donated) -> (next state, round output).
+RoundFn = Callable[[Any], tuple[Any, Any]]
+#: One line of ``metrics.jsonl``: (run name, scalars).
+Row = tuple[str, Mapping[str, Any]]
+
+
+class Curves(NamedTuple):
+  """One PNG of learning curves: the arguments of :func:`~fedjax_mm.runner.report.plot_curves`."""
+
+  series: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
+  title: str
+  ylabel: str
+
+
+class Report(NamedTuple):
+  """What a run leaves behind, as the loop writes it.
+
+  Attributes:
+    title: ``# title`` of ``report.md``.
+    sections: ``(heading, markdown body)`` pairs of ``report.md``.
+    plots: PNG file name in the workdir -> its curves.
+    results: written to ``results.json`` (indent 2) and returned by :func:`run`.
+    text: printed at the end, after a blank line.
+  """
+
+  title: str
+  sections: Sequence[tuple[str, str]]
+  plots: Mapping[str, Curves]
+  results: Mapping[str, Any]
+  text: str
+
+
+class Outcome(NamedTuple):
+  """What :attr:`Experiment.report` is given.
+
+  Attributes:
+    final: method -> :attr:`Experiment.evaluate` of its state after the last
+      round (evaluated anew when a rerun finds the last round checkpointed).
+    history: every line of ``metrics.jsonl``
+      (:func:`~fedjax_mm.runner.writers.read_metrics`: ``null`` read as NaN),
+      the rounds before a resume included.
+    ledgers: method -> bytes per user and round, for the methods that sent any.
+    wall_time_s: seconds since the workdir was prepared (this process only).
+    resumed_at: the round the run resumed from; 0 for a run from scratch.
+  """
+
+  final: Mapping[str, Any]
+  history: Sequence[Mapping[str, Any]]
+  ledgers: Mapping[str, Ledger]
+  wall_time_s: float
+  resumed_at: int
+
+
+def _no_traffic(method: str, out: Any) -> None:
+  del method, out
+
+
+def _no_postfix(evals: Mapping[str, Any]) -> Mapping[str, str]:
+  del evals
+  return {}
+
+
+class Experiment(NamedTuple):
+  """One system as :func:`run` drives it; built per config by the system's ``experiment(config)``.
+
+  Every function closes over what the system built (models, data, jitted
+  steps); none keeps state between calls. ``method`` below is a key of
+  :attr:`methods`; the loop runs methods in that order.
+
+  Attributes:
+    init: ``() -> {method: state}``, the initial states, placed where the
+      rounds expect them. Each method's state must own its buffers, since its
+      round donates them (copy a state shared by several methods). Called once
+      per run; on resume the states only give the checkpoint its structure and
+      shardings.
+    methods: method -> its jitted round, ``state -> (state, out)``, with the
+      state donated. ``out`` is whatever the functions below read.
+    evaluate: ``state -> metrics`` (host values, JSON-ready): a method's
+      evaluation, after evaluation rounds and for :attr:`Outcome.final`.
+    nonfinite: ``out -> names``: who produced NaN/Inf in this round (empty
+      when all is finite). The loop raises ``NonFiniteError`` naming them.
+    scalars: ``(round, {method: out}, {method: metrics}) -> [(run, scalars)]``,
+      the round's lines of ``metrics.jsonl`` in order. ``metrics`` holds the
+      methods evaluated this round (none outside evaluation rounds).
+    runs: the run names :attr:`scalars` writes under (one MetricWriter each).
+    report: ``Outcome -> Report``.
+    traffic: ``(method, out) -> (up, down) | None``: bytes each user sent and
+      received in the round (``[num_users]`` each), None when the method sent
+      nothing. The default counts nothing.
+    eval_every: evaluate every this many rounds (and after the last one).
+    postfix: ``{method: metrics} -> {label: text}`` shown beside the progress
+      bar after a round; nothing when empty.
+  """
+
+  init: Callable[[], Mapping[str, Any]]
+  methods: Mapping[str, RoundFn]
+  evaluate: Callable[[Any], Any]
+  nonfinite: Callable[[Any], Sequence[str]]
+  scalars: Callable[[int, Mapping[str, Any], Mapping[str, Any]], Sequence[Row]]
+  runs: Sequence[str]
+  report: Callable[[Outcome], Report]
+  traffic: Callable[[str, Any], tuple[Any, Any] | None] = _no_traffic
+  eval_every: int = 1
+  postfix: Callable[[Mapping[str, Any]], Mapping[str, str]] = _no_postfix
+
+
+def run(
+  build: Callable[[Any], Experiment],
+  config,
+  workdir: str | pathlib.Path,
+  *,
+  overwrite: bool = False,
+  progress: bool = True,
+) -> Mapping[str, Any]:
+  """Runs ``build(config)`` for ``config.rounds`` rounds in ``workdir``; see the module docstring.
+
+  Args:
+    build: the system's ``experiment(config)``; it validates the config
+      (raising ``ConfigError``) before anything else happens.
+    config: an ``ml_collections.ConfigDict`` with ``rounds`` and
+      ``checkpoint_every``; stored as ``config.json``.
+    workdir: the run's folder.
+    overwrite: move a workdir holding another config aside instead of refusing.
+    progress: show a progress bar over rounds.
+
+  Returns:
+    :attr:`Report.results`, also written to ``results.json``.
+
+  Raises:
+    ConfigError: from ``build``. WorkdirError: the workdir is in use or holds
+      another config. CheckpointError: every checkpoint is damaged.
+    NonFiniteError: a round produced NaN/Inf.
+  """
+  experiment = build(config)
+  workdir = pathlib.Path(workdir)
+  with lock_workdir(workdir):  # One run per workdir; before anything is written.
+    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+    started = time.time()
+    state = dict(experiment.init())
+    ledgers: dict[str, Ledger] = {}
+    with Checkpointer(workdir / "checkpoints", max_to_keep=2) as checkpointer:
+      start = 0
+      restored = checkpointer.restore_latest_good(_abstract(state)) if resumed else None
+      if restored is not None:
+        start, packed = restored
+        state = {m: _unpack(packed[m], s) for m, s in state.items()}
+        stored = checkpointer.restore_metadata(start)["ledgers"]
+        ledgers = {m: Ledger.from_dict(d) for m, d in stored.items()}
+      # A rerun drops the lines of rounds after the checkpoint, to write them again.
+      writers = {
+        name: MetricWriter(workdir, name, resume_round=start if resumed else None)
+        for name in experiment.runs
+      }
+      try:
+        final = _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress)
+      finally:
+        for writer in writers.values():
+          writer.close()
+    if not final:  # No round left (a rerun of a finished or report-killed run): evaluate anew.
+      final = {m: experiment.evaluate(s) for m, s in state.items()}
+    outcome = Outcome(final, read_metrics(workdir), ledgers, time.time() - started, start)
+    report = experiment.report(outcome)
+    report_lib.write_report(workdir / "report.md", title=report.title, sections=report.sections)
+    for name, curves in report.plots.items():
+      report_lib.plot_curves(
+        workdir / name, curves.series, title=curves.title, ylabel=curves.ylabel
+      )
+    report_lib.write_text(workdir / "results.json", json.dumps(report.results, indent=2))
+    print("\n" + report.text)
+    return report.results
+
+
+def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress):
+  """Rounds ``start + 1 .. config.rounds``, updating ``state`` and ``ledgers`` in place.
+
+  Returns:
+    method -> metrics of the last evaluation round run; empty if none ran.
+  """
+  total = config.rounds
+  pack = jax.jit(lambda states: {m: _pack(s) for m, s in states.items()})
+  bar = _progress(range(start, total), start, total, progress)
+  final = {}
+  for r in bar:
+    done = r + 1
+    evaluating = done % experiment.eval_every == 0 or done == total
+    outs, evals = {}, {}
+    for m, round_fn in experiment.methods.items():
+      state[m], outs[m] = round_fn(state[m])
+      bad = experiment.nonfinite(outs[m])
+      if bad:
+        checkpointer.wait()  # The note names the step a relaunch resumes from, saves in flight included.
+        raise NonFiniteError(
+          f"{m} round {done}: an update produced NaN/Inf for {', '.join(bad)}; "
+          f"{checkpoint_note(checkpointer.latest_step())}."
+        )
+      sent = experiment.traffic(m, outs[m])
+      if sent is not None:
+        up, down = sent
+        ledger = ledgers.get(m) or Ledger.zeros(len(up))
+        ledgers[m] = ledger.add(up=up, down=down, round=done)
+      if evaluating:
+        evals[m] = experiment.evaluate(state[m])
+    final.update(evals)
+    for name, scalars in experiment.scalars(done, outs, evals):
+      writers[name].write(done, scalars)
+    if done % config.checkpoint_every == 0 or done == total:
+      checkpointer.save(done, pack(state), metadata={"round": done, "ledgers": ledgers})
+    postfix = experiment.postfix(evals)
+    if postfix and hasattr(bar, "set_postfix"):
+      bar.set_postfix(postfix)
+  return final
+
+
+def _progress(iterable, start: int, total: int, enabled: bool):
+  if not enabled:
+    return iterable
+  from tqdm.auto import tqdm  # Lazy: only runs with a bar need it.
+
+  return tqdm(iterable, initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
+
+
+def _key_data(leaf):
+  """A typed PRNG key array as its key data; any other leaf as it is."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(leaf)
+  return leaf
+
+
+def _pack(tree: Any) -> dict[str, jax.Array]:
+  """The leaves of ``tree`` as one flat array per dtype (typed keys as their key data)."""
+  groups: dict[str, list[jax.Array]] = {}
+  for leaf in jax.tree.leaves(tree):
+    leaf = _key_data(leaf)
+    groups.setdefault(str(leaf.dtype), []).append(jnp.ravel(leaf))
+  return {dtype: jnp.concatenate(parts) for dtype, parts in groups.items()}
+
+
+def _abstract(state: Mapping[str, Any]) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+  """The restore target of a checkpoint of ``state``: shapes and dtypes of its packed form."""
+  return jax.eval_shape(lambda s: {m: _pack(x) for m, x in s.items()}, state)
+
+
+def _unpack(packed: Mapping[str, Any], template: Any) -> Any:
+  """Inverse of :func:`_pack`: ``packed`` in the structure, and on the shardings, of ``template``.
+
+  Bit-exact: slices of the stored vectors, reshaped, placed where the
+  template's leaves live, typed keys rewrapped with the template's key
+  implementation.
+  """
+  leaves, treedef = jax.tree.flatten(template)
+  offsets = dict.fromkeys(packed, 0)
+  out = []
+  for leaf in leaves:
+    data = _key_data(leaf)
+    dtype, size = str(data.dtype), int(np.prod(data.shape))
+    value = jnp.asarray(packed[dtype][offsets[dtype] : offsets[dtype] + size]).reshape(data.shape)
+    offsets[dtype] += size
+    value = jax.device_put(value, data.sharding)
+    if data is not leaf:
+      value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+    out.append(value)
+  return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,122 @@
+"""The experiment loop on a toy experiment: SIGKILL anywhere, rerun, same files; the NaN guard."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import loop_toy
+import pytest
+
+from fedjax_mm.runner import loop
+from fedjax_mm.runner.errors import NonFiniteError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _start(workdir, *pause) -> subprocess.Popen:
+  """``tests/loop_toy.py`` in a subprocess on the real CPU device, as ``experiment_main``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = str(ROOT)
+  cmd = [sys.executable, str(ROOT / "tests" / "loop_toy.py"), str(workdir), *pause]
+  return subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  return out
+
+
+def _outputs(workdir: pathlib.Path):
+  """``metrics.jsonl`` as text and ``results.json`` without its wall time."""
+  results = json.loads((workdir / "results.json").read_text())
+  del results["wall_time_s"]
+  return (workdir / "metrics.jsonl").read_text(), results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("toy") / "reference"
+  out = _finish(_start(workdir))
+  assert "resumed" not in out
+  return _outputs(workdir)
+
+
+def test_the_uninterrupted_run(reference):
+  metrics, results = reference
+  rows = [json.loads(line) for line in metrics.splitlines()]
+  for m in ("one", "two"):
+    draws = [r["round"] for r in rows if r["run"] == m and "draw" in r]
+    assert draws == [1, 2, 3, 4, 5]  # Every round once, in order.
+    evaluated = [(r["round"], r["user a/x"]) for r in rows if r["run"] == m and "user a/x" in r]
+    step = loop_toy.STEPS[m]
+    assert evaluated == [
+      (2, 2 * step),
+      (4, 4 * step),
+      (5, 5 * step),
+    ]  # Every 2 rounds and the last.
+  assert results["final"] == {
+    "one": {"user a": 5.0, "user b": 5.0},
+    "two": {"user a": 10.0, "user b": 10.0},
+  }
+  assert results["traffic"] == {"one": [5 * 2 * 4, 5 * 2 * 8]}  # "two" sends nothing: no ledger.
+  assert results["ledger_rounds"] == [1, 2, 3, 4, 5]
+  assert results["gap"] == [[2, 2.0], [4, 4.0], [5, 5.0]]
+  assert len({d for _, d in results["draws"]["one"] + results["draws"]["two"]}) == 10
+
+
+@pytest.mark.parametrize(
+  "pause,resumes_from",
+  [
+    ("round:1", 0),  # Before the first checkpoint.
+    ("round:3", 2),  # Between checkpoints, "one" a round ahead of "two".
+    ("checkpoint:4", 2),  # Round 4's checkpoint on disk, never finalised; rounds after it logged.
+    ("report", 5),  # report.md written, results.json not: the rerun runs no round.
+  ],
+)
+def test_killed_anywhere_the_rerun_ends_as_the_uninterrupted_run(
+  tmp_path, reference, pause, resumes_from
+):
+  workdir = tmp_path / "run"
+  proc = _start(workdir, pause)
+  marker = pathlib.Path(f"{workdir}.paused")
+  intact = workdir / "checkpoints" / str(resumes_from)  # Finalised steps are renamed into place.
+  deadline = time.time() + 300
+  while not marker.exists() or (resumes_from and not intact.exists()):
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() < deadline, pause
+    time.sleep(0.05)
+  proc.kill()  # SIGKILL: no handler, no cleanup.
+  proc.wait()
+  if pause == "checkpoint:4":
+    names = [p.name for p in (workdir / "checkpoints").iterdir()]
+    assert "4" not in names and any(n.startswith("4.orbax-checkpoint-tmp") for n in names), names
+  if pause == "report":
+    assert (workdir / "report.md").exists() and not (workdir / "results.json").exists()
+
+  out = _finish(_start(workdir))
+  assert (f"(resumed at round {resumes_from})" in out) == (resumes_from > 0), out
+  metrics, results = _outputs(workdir)
+  # The same lines in the same order: none lost, none twice.
+  assert metrics.splitlines() == reference[0].splitlines()
+  assert results == reference[1]
+
+
+def test_a_nan_stops_the_run_and_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
+  config = loop_toy.get_config()
+  config.nan_at = 3
+  with pytest.raises(NonFiniteError) as info:
+    loop.run(loop_toy.experiment, config, tmp_path / "run", progress=False)
+  assert str(info.value) == (
+    "two round 3: an update produced NaN/Inf for user b; "
+    "the last good checkpoint (round 2) is intact."
+  )
+  rounds = [json.loads(line)["round"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert max(rounds) == 2  # Round 3 was neither logged nor saved.
+  assert not (tmp_path / "run" / "checkpoints" / "3").exists()
