@@ -204,3 +204,20 @@ def test_shipped_pair_reproduces_its_recorded_quality():
   again = pretrain.evaluate(model, *_eval_splits(config))
   for key, value in recorded["quality"].items():
     assert again[key] == pytest.approx(value, abs=0.5), key
+
+
+@pytest.mark.parametrize(
+  "change,message",
+  [
+    (lambda c: setattr(c, "pairs", [("gru", "transformer_t")]), "'gru' is not an image encoder"),
+    (lambda c: setattr(c, "pairs", [("vit_t", "gru"), ("vit_t", "transformer_t")]), "two pairs"),
+    (lambda c: setattr(c, "learning_rate", float("nan")), "learning_rate"),
+    (lambda c: setattr(c.web, "size", 10), "smaller than one batch"),
+    (lambda c: c.epochs.update({"vit_b": 1}), "no pair's image encoder"),
+  ],
+)
+def test_bad_pretraining_configs_are_refused_in_one_line(change, message):
+  config = pretrain_config.get_config("smoke")
+  change(config)
+  with pytest.raises(pretrain.ConfigError, match=message):
+    pretrain.validate(config)
