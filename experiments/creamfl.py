@@ -90,6 +90,19 @@ def get_config(arg=None):
     }
   )
 
+  # Simulated client faults (fedjax_mm.core.faults), off by default: per round a fraction
+  # of the participants drops out, straggles or is Byzantine (random | scaled).
+  config.faults = ml_collections.ConfigDict(
+    {
+      "dropout": 0.0,
+      "stragglers": 0.0,
+      "byzantine": 0.0,
+      "byzantine_count": 0,  # a fixed number instead of the fraction (0: the fraction)
+      "byzantine_mode": "random",
+      "byzantine_scale": -10.0,  # the factor of "scaled"
+    }
+  )
+
   if arg == "smoke":
     config.pretrained = ""
     config.image_size = 16

@@ -48,6 +48,15 @@ Clients of a group are stacked ``[K, ...]`` and trained in one ``jax.vmap`` of
 :func:`fedjax_mm.core.train_group`; the public-set regulariser pass likewise,
 with an objective that closes over the start-of-round parameters). Clients not
 selected are masked: they take no step and weigh 0 in every aggregate.
+
+Client faults (:mod:`fedjax_mm.core.faults`, off by default), drawn per round
+among the selected clients: a **dropped** client trains but its local
+representations never arrive (it is absent from step 6's aggregation and from
+the server's Muscle partners); a **straggler** takes only its drawn share of
+private-task steps; a **Byzantine** client sends random unit vectors (or its
+representations scaled) for the public set — the attack against which CreamFL
+argues that GCA, which scores each local representation against the global
+ones, is more robust than the mean.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from flax import nnx, struct
 
 from fedjax_mm import losses, models
 from fedjax_mm.algorithms.base import Algorithm
+from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import (
   ClientData,
   ClientState,
@@ -549,6 +559,7 @@ def client_update(
   global_reps: dict[str, Array],
   var: Variant,
   config: CreamConfig,
+  max_steps: Array | None = None,
 ) -> tuple[ClientState, Array]:
   """Step 4 for one group: private task, then the regulariser pass over the public set.
 
@@ -556,7 +567,8 @@ def client_update(
   :func:`regulariser_objective` over the public set whose intra-modal negative
   is each client's model at the START of this call (before the private
   epochs). The public pass runs under ``jax.lax.cond``: skipped for variants
-  without a regulariser. Clients with ``active = False`` take no step.
+  without a regulariser. Clients with ``active = False`` take no step;
+  ``max_steps [K]`` (stragglers) caps the private-task steps.
 
   Returns:
     ``(state, private-task loss [K])``.
@@ -565,7 +577,12 @@ def client_update(
   num_public = public["image"].shape[0]
   start = state.params
   state, private_stats = train_group(
-    group, state, data, objective_fn=_private_objective(client), active=active
+    group,
+    state,
+    data,
+    objective_fn=_private_objective(client),
+    active=active,
+    max_steps=max_steps,
   )
 
   def run(_):
@@ -608,7 +625,13 @@ def _server_retrieval_epoch(
   return state.replace(server_params=params, server_opt=opt, server_rng=rng), stats["loss"]
 
 
-def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConfig) -> Algorithm:
+def creamfl(
+  clients: Sequence[ClientGroup],
+  server: ServerDef,
+  config: CreamConfig,
+  *,
+  faults: faults_lib.Faults = faults_lib.NONE,
+) -> Algorithm:
   """CreamFL and its variants over a tuple of client groups, as an :class:`Algorithm`.
 
   ``init(server_params, client_states, key)`` and
@@ -617,7 +640,9 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
   from it), ``public`` holds ``image [P, S, S, 3]`` and ``caption [P, C, L]``
   and ``variant`` is a :class:`Variant`. ``stats`` holds the participation
   mask per group (``active``), the number of local matrices received per
-  modality, losses, and finiteness flags of the server and of each client.
+  modality, losses, and finiteness flags of the server and of each client;
+  with ``faults`` (default: none) also ``fault_counts`` and ``dropped`` per
+  group.
   """
   clients = tuple(clients)
 
@@ -664,8 +689,15 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
     # 2. A random fraction of the clients takes part.
     valid = jnp.concatenate([d.client_mask for d in data])
     selected = aggregate.sample_clients(jax.random.fold_in(key, 0), valid, config.num_selected)
-    active = _split(selected, [d.num_clients for d in data])
+    sizes = [d.num_clients for d in data]
+    active = _split(selected, sizes)
     stats["active"] = tuple(active)
+    masks = None
+    if faults.enabled:
+      fault_key = jax.random.fold_in(key, faults_lib.SALT)
+      masks = faults_lib.draw(fault_key, selected, faults)
+      stats["fault_counts"] = masks.counts()
+      stats["dropped"] = tuple(_split(masks.dropped, sizes))
 
     # 3. Global representations of the public set, sent to the selected clients.
     global_reps = {
@@ -675,9 +707,23 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
     # 4-5. Local training, regulariser, local representations of the public set.
     new_groups, local = [], {m: [] for m in MODALITIES}
     meta = {m: {"present": [], "counts": [], "multimodal": []} for m in MODALITIES}
-    client_losses = []
+    client_losses, offset = [], 0
     for client, cstate, d, act in zip(clients, state.groups, data, active, strict=True):
-      cstate, private_loss = client_update(client, cstate, d, act, public, global_reps, var, config)
+      budget = sent = None
+      if masks is not None:
+        k = d.num_clients
+        budget = faults_lib.step_budget(
+          masks.work[offset : offset + k],
+          d.num_samples,
+          num_epochs=client.group.local_epochs,
+          batch_size=client.group.batch_size,
+        )
+        sent = act & ~masks.dropped[offset : offset + k]
+        byzantine = masks.byzantine[offset : offset + k]
+        offset += k
+      cstate, private_loss = client_update(
+        client, cstate, d, act, public, global_reps, var, config, max_steps=budget
+      )
       client_losses.append(private_loss)
       new_groups.append(cstate)
 
@@ -688,9 +734,19 @@ def creamfl(clients: Sequence[ClientGroup], server: ServerDef, config: CreamConf
         }
 
       group_reps = jax.vmap(reps)(cstate.params)  # {m: [K, P, d]}
+      if masks is not None and faults.has_byzantine:
+        group_reps = {
+          m: faults_lib.corrupt_representations(
+            jax.random.fold_in(faults_lib.corruption_key(fault_key, len(new_groups)), i),
+            group_reps[m],
+            byzantine,
+            faults,
+          )
+          for i, m in enumerate(client.modalities)
+        }
       for m in client.modalities:
         local[m].append(group_reps[m])
-        meta[m]["present"].append(act)
+        meta[m]["present"].append(act if sent is None else sent)
         meta[m]["counts"].append(d.num_samples)
         meta[m]["multimodal"].append(jnp.full(act.shape, client.multimodal))
     state = state.replace(groups=tuple(new_groups))

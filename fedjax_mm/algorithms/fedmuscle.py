@@ -36,6 +36,15 @@ partners, and receive no update.
 The contrastive loss is selectable (the paper's Figure 2 / Table 4):
 ``muscle`` (eq. (3)), ``pairwise`` (sum of InfoNCE, Sec. 4.1) or ``gramian``
 (App. J).
+
+Client faults (:mod:`fedjax_mm.core.faults`, off by default), drawn once per
+round over all users: a **dropped** user takes no part in the round (its
+local task update is lost — it takes no step — and in the CL epochs it sends
+nothing, is never a partner and gets no update); a **straggler** takes only
+its drawn share of local task steps; a **Byzantine** user sends corrupted
+``Z^n`` (random unit vectors, or scaled) in every CL batch — what crosses the
+wire, so its partners' losses see it — and ignores the server's answer (no CL
+update of its own).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from flax import struct
 
 from fedjax_mm import losses
 from fedjax_mm.algorithms.base import Algorithm
+from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 from fedjax_mm.core.sharding import replicate, shard_clients
 from fedjax_mm.server import aggregate
@@ -248,6 +258,7 @@ def fedmuscle(
   config: MuscleConfig,
   *,
   represent_fns: Sequence[Callable[[GroupDef, PyTree, PyTree, Array], Array]] | None = None,
+  faults: faults_lib.Faults = faults_lib.NONE,
 ) -> Algorithm:
   """FedMuscle over a tuple of groups, as an :class:`Algorithm`.
 
@@ -261,6 +272,8 @@ def fedmuscle(
     config: CL hyperparameters.
     represent_fns: optional per-group ``(group, params, shared, inputs) -> Z``
       (default: ``model.represent``).
+    faults: simulated client faults (default: none); with faults ``stats``
+      gains ``fault_counts`` (dropped / stragglers / Byzantine users).
   """
   groups = tuple(groups)
   cl_txs = tuple(cl_optimizer(g.tx) for g in groups)
@@ -276,7 +289,7 @@ def fedmuscle(
       round=jnp.zeros((), jnp.int32), rng=key, groups=tuple(states), cl_opt_state=cl_opt
     )
 
-  def cl_batch(carry, xs, data):
+  def cl_batch(carry, xs, data, masks=None):
     states, cl_opts = carry
     batch, key = xs
     zs, pullbacks = [], []
@@ -285,20 +298,39 @@ def fedmuscle(
       zs.append(z)
       pullbacks.append(pullback)
     present = _flatten_users([d.client_mask for d in data])
+    z = _flatten_users(zs)
+    receives = present
+    if masks is not None:
+      present = present & ~masks.dropped
+      receives = present & ~masks.byzantine
+      if faults.has_byzantine:
+        z = faults_lib.corrupt_representations(
+          jax.random.fold_in(key, 2), z, masks.byzantine, faults
+        )
     partners = draw_partners(jax.random.fold_in(key, 0), present, config.num_partners)
-    loss, dz = user_gradients(config, _flatten_users(zs), partners)
+    if masks is not None:
+      # With users dropped, fewer than M others may be present: such a user sits out the batch.
+      full = jnp.all(present[partners], axis=1)
+      present, receives = present & full, receives & full
+    loss, dz = user_gradients(config, z, partners)
 
     new_states, new_opts, offset = [], [], 0
     for tx, state, cl_opt, pullback, d in zip(
       cl_txs, states, cl_opts, pullbacks, data, strict=True
     ):
       k = d.num_clients
-      cot = dz[offset : offset + k] * d.client_mask[:, None, None]
+      cot = dz[offset : offset + k] * receives[offset : offset + k, None, None]
       offset += k
       (grads,) = pullback(cot)
       grads = jax.tree.map(lambda g, m: g * m, grads, representation_mask(grads))
       updates, new_opt = jax.vmap(tx.update)(grads, cl_opt, state.params)
       params = optax.apply_updates(state.params, updates)
+      if masks is not None:
+        # A zero gradient still moves AdamW (momentum, weight decay): users that take no
+        # part in this batch keep their parameters and CL optimizer state exactly.
+        skip = ~receives[offset - k : offset]
+        params = faults_lib.keep_where(skip, state.params, params)
+        new_opt = faults_lib.keep_where(skip, cl_opt, new_opt)
       new_states.append(state.replace(params=params))
       new_opts.append(new_opt)
     return (tuple(new_states), tuple(new_opts)), jnp.where(present, loss, 0.0)
@@ -306,8 +338,31 @@ def fedmuscle(
   def round_fn(state: FedMuscleState, data: Sequence[ClientData], public: dict[str, Array]):
     key = jax.random.fold_in(state.rng, state.round)
     new_groups, stats = [], {}
+    masks = None
+    if faults.enabled:
+      users = _flatten_users([d.client_mask for d in data])
+      masks = faults_lib.draw(jax.random.fold_in(key, faults_lib.SALT), users, faults)
+      stats["fault_counts"] = masks.counts()
+    offset = 0
     for group, client_state, client_data in zip(groups, state.groups, data, strict=True):
-      client_state, group_stats = train_group(group, client_state, client_data)
+      if masks is None:
+        client_state, group_stats = train_group(group, client_state, client_data)
+      else:
+        k = client_data.num_clients
+        budget = faults_lib.step_budget(
+          masks.work[offset : offset + k],
+          client_data.num_samples,
+          num_epochs=group.local_epochs,
+          batch_size=group.batch_size,
+        )
+        client_state, group_stats = train_group(
+          group,
+          client_state,
+          client_data,
+          active=client_data.client_mask & ~masks.dropped[offset : offset + k],
+          max_steps=budget,
+        )
+        offset += k
       new_groups.append(client_state)
       stats[group.name] = group_stats
 
@@ -316,7 +371,7 @@ def fedmuscle(
     for epoch in range(config.cl_epochs):
       batches, keys = _public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
       carry, batch_losses = jax.lax.scan(
-        functools.partial(cl_batch, data=data), carry, (batches, keys)
+        functools.partial(cl_batch, data=data, masks=masks), carry, (batches, keys)
       )
       cl_losses.append(batch_losses.mean(0))
     new_groups, cl_opt_state = carry

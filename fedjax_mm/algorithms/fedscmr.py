@@ -34,6 +34,15 @@ FedSCMR -Phi       fedscmr     eq. (13), ``gamma`` = 0            Tables 3-4
 FedProx's proximal term (``core.with_proximal_term``) covers all of a
 client's parameters, centred on its parameters at the start of the round
 (the personal layers are thereby also kept near their previous values).
+
+Client faults (:mod:`fedjax_mm.core.faults`, off by default), drawn per round
+among the clients with data: a **straggler** takes only its drawn share of
+local steps; with aggregation, a **dropped** client's round is lost (it keeps
+its start-of-round parameters, gets weight 0 — eq. (13)'s softmax renormalises
+over the others — and receives nothing), and a **Byzantine** client sends a
+corrupted common-layer update (``W^k - W^k_start`` replaced by noise or
+scaled) into the adaptive aggregation; its personal layers are never sent.
+DSCMR (no aggregation) only sees stragglers.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import jax.numpy as jnp
 
 from fedjax_mm import losses, metrics, server
 from fedjax_mm.algorithms.base import Algorithm, FederatedState
+from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 from fedjax_mm.models.scmr import COMMON
 from fedjax_mm.server import fedscmr as weights_lib
@@ -170,13 +180,21 @@ def aggregation_weights(
   return counts / jnp.maximum(jnp.sum(counts), 1)
 
 
-def fedscmr(group: GroupDef, config: ScmrConfig, *, reset_optimizer: bool = True) -> Algorithm:
+def fedscmr(
+  group: GroupDef,
+  config: ScmrConfig,
+  *,
+  reset_optimizer: bool = True,
+  faults: faults_lib.Faults = faults_lib.NONE,
+) -> Algorithm:
   """One system of the table above as an :class:`Algorithm` over one client group.
 
   Args:
     group: the clients' static definition (an :class:`ScmrModel`).
     config: the system.
     reset_optimizer: re-initialise each client's optimizer state every round.
+    faults: simulated client faults (default: none); with faults the stats
+      gain ``fault_counts``.
 
   Returns:
     ``init(state, key) -> FederatedState`` and ``round(state, data) -> (state,
@@ -194,8 +212,21 @@ def fedscmr(group: GroupDef, config: ScmrConfig, *, reset_optimizer: bool = True
     (client_state,) = state.groups
     if reset_optimizer:
       client_state = client_state.replace(opt_state=jax.vmap(group.tx.init)(client_state.params))
+    where = data.client_mask & (data.num_samples > 0)
+    start, masks, budget = client_state.params, None, None
+    if faults.enabled:
+      fault_key = jax.random.fold_in(jax.random.fold_in(state.rng, state.round), faults_lib.SALT)
+      masks = faults_lib.draw(fault_key, where, faults)
+      budget = faults_lib.step_budget(
+        masks.work, data.num_samples, num_epochs=group.local_epochs, batch_size=group.batch_size
+      )
     client_state, stats = train_group(
-      group, client_state, data, objective_fn=objective_fn, prox_mu=config.prox_mu
+      group,
+      client_state,
+      data,
+      objective_fn=objective_fn,
+      prox_mu=config.prox_mu,
+      max_steps=budget,
     )
     maps = jax.vmap(functools.partial(retrieval_map, group, n=config.map_n), (0, None, 0, 0))(
       client_state.params, client_state.shared, data.arrays, data.sample_mask
@@ -203,15 +234,22 @@ def fedscmr(group: GroupDef, config: ScmrConfig, *, reset_optimizer: bool = True
     categories = jax.vmap(
       functools.partial(weights_lib.num_categories, num_classes=config.num_classes)
     )(data.arrays["label"], data.sample_mask)
-    where = data.client_mask & (data.num_samples > 0)
     weights = jnp.zeros(where.shape, jnp.float32)
     if config.aggregation != "none":
+      sent = client_state.params
+      if masks is not None:
+        sent = faults_lib.send_updates(
+          faults_lib.corruption_key(fault_key), start, sent, masks, faults, select=select
+        )
+        where = where & ~masks.dropped
       weights = aggregation_weights(
         config, data.num_samples, categories, stats["loss"], maps, where
       )
-      params, _ = server.fedavg(client_state.params, weights, receive=where, select=select)
+      params, _ = server.fedavg(sent, weights, receive=where, select=select)
       client_state = client_state.replace(params=params)
     out = {"loss": stats["loss"], "map": maps, "weight": weights}
+    if masks is not None:
+      out["fault_counts"] = masks.counts()
     return state.replace(round=state.round + 1, groups=(client_state,)), out
 
   return Algorithm(init=init, round=round_fn)

@@ -254,6 +254,7 @@ def local_update(
   *,
   num_epochs: int,
   batch_size: int,
+  max_steps: Array | None = None,
 ) -> tuple[PyTree, PyTree, Array, dict[str, Array]]:
   """Local training of ONE client: ``E`` epochs of minibatch steps.
 
@@ -267,6 +268,9 @@ def local_update(
     sample_mask: ``bool [n]``.
     num_epochs: ``E`` (static).
     batch_size: ``b`` (static).
+    max_steps: optional ``int32`` scalar: the client stops after this many of
+      its real steps (a straggler, :mod:`fedjax_mm.core.faults`); the later
+      steps are masked like padding steps, so every random draw is unchanged.
 
   Returns:
     ``(params, opt_state, rng, stats)`` where ``stats`` holds ``loss`` (mean
@@ -288,6 +292,10 @@ def local_update(
     epoch, index, idx = xs
     batch_mask = positions[index] < num_valid
     taken = jnp.any(batch_mask)
+    if max_steps is not None:
+      # Real steps come first in every epoch: ceil(n_k / b) of them.
+      real_per_epoch = (num_valid + batch_size - 1) // batch_size
+      taken = taken & (epoch * real_per_epoch + index < max_steps)
     batch = jax.tree.map(lambda x: x[idx], arrays)
     key = jax.random.fold_in(jax.random.fold_in(step_key, epoch), index)
     (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, batch_mask, key)
@@ -314,6 +322,7 @@ def train_group(
   objective_fn: Callable[[GroupDef, PyTree], Objective] = supervised_objective,
   prox_mu: float = 0.0,
   active: Array | None = None,
+  max_steps: Array | None = None,
 ) -> tuple[ClientState, dict[str, Array]]:
   """Local training of every client of a group in one ``vmap``.
 
@@ -327,6 +336,8 @@ def train_group(
       parameters at the start of local training.
     active: optional ``bool [K]``: clients that train this round (sampled
       participants); inactive clients keep their state.
+    max_steps: optional ``int32 [K]``: each client's step budget (stragglers,
+      :func:`fedjax_mm.core.faults.step_budget`); None: every step.
 
   Returns:
     ``(state, stats)`` with per-client ``loss`` and ``steps`` ``[K]``.
@@ -336,7 +347,7 @@ def train_group(
     mask = mask & active[:, None]
   base = objective_fn(group, state.shared)
 
-  def one_client(params, opt_state, rng, arrays, sample_mask):
+  def one_client(params, opt_state, rng, arrays, sample_mask, budget):
     objective = with_proximal_term(base, params, prox_mu) if prox_mu else base
     return local_update(
       objective,
@@ -348,10 +359,11 @@ def train_group(
       sample_mask,
       num_epochs=group.local_epochs,
       batch_size=group.batch_size,
+      max_steps=budget,
     )
 
   params, opt_state, rng, stats = jax.vmap(one_client)(
-    state.params, state.opt_state, state.rng, data.arrays, mask
+    state.params, state.opt_state, state.rng, data.arrays, mask, max_steps
   )
   return state.replace(params=params, opt_state=opt_state, rng=rng), stats
 

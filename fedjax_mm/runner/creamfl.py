@@ -67,6 +67,7 @@ def _check_encoder(where: str, name: str, modality: str) -> None:
 def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
   validation.check_numbers(config, validation.CREAMFL)
+  validation.check_faults(config)
   unknown = [m for m in config.methods if m not in METHODS]
   if unknown or not config.methods:
     raise ConfigError(f"methods: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)}.")
@@ -303,7 +304,7 @@ def experiment(config) -> loop.Experiment:
   methods = tuple(config.methods)
   cc = _cream_config(config)
   mesh = core.client_mesh(1)
-  fed = creamfl.creamfl(clients, server, cc)
+  fed = creamfl.creamfl(clients, server, cc, faults=validation.check_faults(config))
   local = creamfl.server_only(server, cc)
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
   fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
@@ -338,7 +339,10 @@ def experiment(config) -> loop.Experiment:
     if m == LOCAL:
       return None
     active = np.concatenate([np.asarray(a) for a in out["active"]])
-    return np.where(active, up_bytes, 0), np.where(active, down_bytes, 0)
+    sent = active
+    if "dropped" in out:  # Dropped clients received I_glob, T_glob but sent nothing.
+      sent = active & ~np.concatenate([np.asarray(a) for a in out["dropped"]])
+    return np.where(sent, up_bytes, 0), np.where(active, down_bytes, 0)
 
   def scalars(r, outs, evals):
     values = {}
@@ -346,6 +350,8 @@ def experiment(config) -> loop.Experiment:
       values[f"{m}/server_loss"] = float(outs[m]["server_loss"])
       if m != LOCAL:
         values[f"{m}/kd_loss"] = float(outs[m]["kd_loss"])
+        counts = outs[m].get("fault_counts") or {}
+        values |= {f"{m}/faults/{k}": float(v) for k, v in counts.items()}
       if m in evals:
         values |= {f"{m}/{k}": v for k, v in evals[m].items()}
     return [("creamfl", values)]

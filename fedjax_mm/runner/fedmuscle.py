@@ -65,6 +65,7 @@ class User:
 def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDMUSCLE)
+  validation.check_faults(config)
   users = tuple(User(i, u["encoder"], u["task"]) for i, u in enumerate(config.users))
   if len(users) < 2:
     raise ConfigError(f"FedMuscle needs at least 2 users, the config has {len(users)}.")
@@ -223,7 +224,11 @@ def experiment(config) -> loop.Experiment:
   users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
   mc = _muscle_config(config)
   mesh = core.client_mesh(1)
-  algs = {"fedmuscle": fedmuscle.fedmuscle(groups, mc), "local": local_training(groups)}
+  faults = validation.check_faults(config)
+  algs = {
+    "fedmuscle": fedmuscle.fedmuscle(groups, mc, faults=faults),
+    "local": local_training(groups),
+  }
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
 
   def step(name):
@@ -231,7 +236,10 @@ def experiment(config) -> loop.Experiment:
 
     def fn(s):
       s, stats = algs[name].round(s, *inputs)
-      return s, {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
+      out = {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
+      if "fault_counts" in stats:
+        out["fault_counts"] = stats["fault_counts"]
+      return s, out
 
     return jax.jit(fn, donate_argnums=0)
 
@@ -260,6 +268,7 @@ def experiment(config) -> loop.Experiment:
       if outs[name]["cl_loss"] is not None:
         losses = np.asarray(outs[name]["cl_loss"])
         values |= {f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(losses)}
+      values |= _fault_scalars(outs[name])
       rows.append((name, values))
     return rows + [("fedmuscle", {"delta": _delta(evals["fedmuscle"], evals["local"])[0]})]
 
@@ -277,6 +286,12 @@ def experiment(config) -> loop.Experiment:
     traffic=lambda name, out: sent if name == "fedmuscle" else None,
     postfix=lambda evals: {"delta": f"{100 * _delta(evals['fedmuscle'], evals['local'])[0]:+.1f}%"},
   )
+
+
+def _fault_scalars(out) -> dict[str, float]:
+  """``faults/dropped``, ``faults/stragglers``, ``faults/byzantine`` of a round (if simulated)."""
+  counts = out.get("fault_counts") or {}
+  return {f"faults/{k}": float(v) for k, v in counts.items()}
 
 
 def run(

@@ -36,18 +36,22 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from fedjax_mm.core.faults import Faults
 from fedjax_mm.runner.errors import ConfigError
 
 __all__ = [
   "COUNT",
   "CREAMFL",
   "FEDMUSCLE",
+  "FAULTS",
   "FEDSCMR",
+  "FINITE",
   "FRACTION",
   "NON_NEGATIVE",
   "NON_NEGATIVE_INT",
   "POSITIVE",
   "Range",
+  "check_faults",
   "check_numbers",
   "numeric_fields",
 ]
@@ -107,6 +111,17 @@ FRACTION = Range(0, 1)
 # ml_collections turns a dotted override into a float or int according to the
 # field's type, so ``--config.learning_rate=nan`` arrives as float("nan").
 _FINITE = Range()
+#: Any finite number: factors that may be negative (a Byzantine scale).
+FINITE = _FINITE
+
+#: The ``faults`` block every experiment config has (:mod:`fedjax_mm.core.faults`).
+FAULTS: dict[str, Range] = {
+  "faults.dropout": FRACTION,
+  "faults.stragglers": FRACTION,
+  "faults.byzantine": FRACTION,
+  "faults.byzantine_count": NON_NEGATIVE_INT,
+  "faults.byzantine_scale": FINITE,
+}
 
 #: The numbers of ``experiments/fedmuscle.py``.
 FEDMUSCLE: dict[str, Range] = {
@@ -131,6 +146,7 @@ FEDMUSCLE: dict[str, Range] = {
   "muscle.tau_full": POSITIVE,
   "muscle.tau_reduced": POSITIVE,
   "muscle.chunk_size": COUNT,
+  **FAULTS,
 }
 
 #: The numbers of ``experiments/creamfl.py``.
@@ -171,6 +187,7 @@ CREAMFL: dict[str, Range] = {
   "creamfl.muscle_tau_full": POSITIVE,
   "creamfl.muscle_tau_reduced": POSITIVE,
   "creamfl.gca_chunk_size": COUNT,
+  **FAULTS,
 }
 
 #: The numbers of ``experiments/fedscmr.py``.
@@ -196,6 +213,7 @@ FEDSCMR: dict[str, Range] = {
   "dscmr.beta": NON_NEGATIVE,
   "fedprox_mu": NON_NEGATIVE,
   "ns[]": COUNT,
+  **FAULTS,
 }
 
 
@@ -258,3 +276,22 @@ def check_numbers(config: Any, spec: Mapping[str, Range]) -> None:
     else:
       described = bounds
     raise ConfigError(f"{key} must be {described}, got {value!r}.")
+
+
+def check_faults(config: Any) -> Faults:
+  """The run's :class:`~fedjax_mm.core.faults.Faults` from ``config.faults``, checked.
+
+  A config without a ``faults`` block (one written before faults existed)
+  simulates none. The ranges are :data:`FAULTS` (checked by
+  :func:`check_numbers` first); this adds the names: unknown keys and an
+  unknown ``byzantine_mode`` raise :class:`ConfigError`.
+  """
+  block = config.get("faults") if callable(getattr(config, "get", None)) else None
+  try:
+    faults = Faults.from_config(block)
+    faults.validate()
+  except TypeError as e:
+    raise ConfigError(f"faults: {e}.") from None
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return faults
