@@ -31,6 +31,7 @@ Variants: ``:smoke`` is tiny (used by the tests). Override anything, e.g.
 
 import ml_collections
 
+from experiments.faults import faults_config
 from fedjax_mm.runner.creamfl import METHODS
 
 
@@ -90,18 +91,7 @@ def get_config(arg=None):
     }
   )
 
-  # Simulated client faults (fedjax_mm.core.faults), off by default: per round a fraction
-  # of the participants drops out, straggles or is Byzantine (random | scaled).
-  config.faults = ml_collections.ConfigDict(
-    {
-      "dropout": 0.0,
-      "stragglers": 0.0,
-      "byzantine": 0.0,
-      "byzantine_count": 0,  # a fixed number instead of the fraction (0: the fraction)
-      "byzantine_mode": "random",
-      "byzantine_scale": -10.0,  # the factor of "scaled"
-    }
-  )
+  config.faults = faults_config()  # experiments/faults.py: all off
 
   if arg == "smoke":
     config.pretrained = ""

@@ -24,6 +24,8 @@ anything with ``--config.muscle.loss=pairwise`` etc.
 
 import ml_collections
 
+from experiments.faults import faults_config
+
 
 def _user(encoder, task, train_size):
   return {"encoder": encoder, "task": task, "train_size": train_size}
@@ -70,18 +72,7 @@ def get_config(arg=None):
     }
   )
 
-  # Simulated client faults (fedjax_mm.core.faults), off by default: per round a fraction
-  # of the participants drops out, straggles or is Byzantine (random | scaled).
-  config.faults = ml_collections.ConfigDict(
-    {
-      "dropout": 0.0,
-      "stragglers": 0.0,
-      "byzantine": 0.0,
-      "byzantine_count": 0,  # a fixed number instead of the fraction (0: the fraction)
-      "byzantine_mode": "random",
-      "byzantine_scale": -10.0,  # the factor of "scaled"
-    }
-  )
+  config.faults = faults_config()  # experiments/faults.py: all off
 
   if arg == "setup2":
     config.users = config.users + [

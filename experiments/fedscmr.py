@@ -34,6 +34,8 @@ Variant ``:smoke`` is tiny (used by the tests).
 
 import ml_collections
 
+from experiments.faults import faults_config
+
 
 def _client(name, classes, train_size):
   return {"name": name, "classes": classes, "train_size": train_size}
@@ -85,18 +87,7 @@ def get_config(arg=None):
     "fedscmr_no_phi",
   )
 
-  # Simulated client faults (fedjax_mm.core.faults), off by default: per round a fraction
-  # of the participants drops out, straggles or is Byzantine (random | scaled).
-  config.faults = ml_collections.ConfigDict(
-    {
-      "dropout": 0.0,
-      "stragglers": 0.0,
-      "byzantine": 0.0,
-      "byzantine_count": 0,  # a fixed number instead of the fraction (0: the fraction)
-      "byzantine_mode": "random",
-      "byzantine_scale": -10.0,  # the factor of "scaled"
-    }
-  )
+  config.faults = faults_config()  # experiments/faults.py: all off
 
   if arg == "smoke":
     config.rounds = 2
