@@ -43,6 +43,7 @@ __all__ = [
   "read_tensors",
   "resolve",
   "save",
+  "size_keys",
 ]
 
 #: Folder of the checkpoints shipped with the package: ``WEIGHTS_DIR / "world-clip" / name``.

@@ -271,23 +271,18 @@ def _folder_config(config, model, name, modality, partner, quality, steps) -> di
 
 
 def _save_pair(config, out_dir, model, image_name, text_name, text_owner, quality, steps):
-  dtype = config.dtype
+  towers = [("image", image_name, text_name, model.image_encoder, model.image_projection)]
   if text_owner:
-    pretrained.save(
-      out_dir / text_name,
-      model.text_encoder,
-      _folder_config(config, model, text_name, "text", image_name, quality, steps),
-      projection=np.asarray(model.text_projection.kernel[...]),
-      dtype=dtype,
-    )
+    towers.insert(0, ("text", text_name, image_name, model.text_encoder, model.text_projection))
   # The image folder is written last: its presence marks the pair complete.
-  pretrained.save(
-    out_dir / image_name,
-    model.image_encoder,
-    _folder_config(config, model, image_name, "image", text_name, quality, steps),
-    projection=np.asarray(model.image_projection.kernel[...]),
-    dtype=dtype,
-  )
+  for modality, name, partner, encoder, projection in towers:
+    pretrained.save(
+      out_dir / name,
+      encoder,
+      _folder_config(config, model, name, modality, partner, quality, steps),
+      projection=np.asarray(projection.kernel[...]),
+      dtype=config.dtype,
+    )
 
 
 def load_pair(config, folder: pathlib.Path, image_name: str, text_name: str) -> clip.ClipModel:
