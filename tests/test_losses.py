@@ -60,12 +60,30 @@ def _literal_info_nce(anchor, positive, temperature):
 
 @pytest.mark.usefixtures("x64")
 class TestMuscle:
+  @pytest.mark.parametrize("method", muscle.METHODS)
   @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 4), (4, 3)])
-  def test_equals_literal_loop_over_tuples(self, num_others, batch):
+  def test_equals_literal_loop_over_tuples(self, num_others, batch, method):
     anchor, others, tau, gamma = _random_problem(num_others, num_others, batch)
     expected = _literal_muscle(anchor, others, tau, gamma)
-    got = losses.muscle_loss(jnp.asarray(anchor), jnp.asarray(others), tau=tau, gamma=gamma)
+    got = losses.muscle_loss(
+      jnp.asarray(anchor), jnp.asarray(others), tau=tau, gamma=gamma, method=method
+    )
     np.testing.assert_allclose(got, expected, rtol=1e-10)
+
+  @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 5), (4, 3)])
+  def test_contraction_equals_log_domain_with_gradients_and_chunks(self, num_others, batch):
+    anchor, others, tau, gamma = _random_problem(30 + num_others, num_others, batch)
+
+    def total(a, o, method, chunk):
+      per_anchor = losses.muscle_loss(a, o, tau=tau, gamma=gamma, method=method, chunk_size=chunk)
+      return (per_anchor * jnp.arange(1, batch + 1)).sum()  # distinct weight per anchor
+
+    grad = jax.jit(jax.value_and_grad(total, argnums=(0, 1)), static_argnums=(2, 3))
+    reference = grad(anchor, others, "logsumexp", None)
+    for chunk in (None, 1, 2, batch - 1):
+      chex.assert_trees_all_close(
+        grad(anchor, others, "contract", chunk), reference, rtol=1e-10, atol=1e-12
+      )
 
   @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 4), (4, 3)])
   def test_protocols_and_chunks_agree(self, num_others, batch):
@@ -171,6 +189,61 @@ def test_muscle_gamma():
   np.testing.assert_allclose(
     losses.muscle_gamma(tau_full, tau_reduced), np.full((3, 3), 10 - 10 / 3), rtol=1e-6
   )
+
+
+def test_muscle_logit_range():
+  gamma = losses.muscle_gamma(0.2, 0.15)  # 10/3
+  # M = 3: three anchor factors of range 2 / 0.2 and three pairs of range 2 * 10/3.
+  assert losses.muscle_logit_range(0.2, gamma, 3) == pytest.approx(40.0, rel=1e-6)
+  tau = np.array([0.1, 0.2, 0.5])
+  pairs = np.array([[0.0, 1.0, 2.0], [1.0, 0.0, -3.0], [2.0, -3.0, 0.0]])
+  expected = 2 * (10 + 5 + 2) + 2 * (1 + 2 + 3)
+  assert losses.muscle_logit_range(tau, pairs, 3) == pytest.approx(expected)
+  seen = []
+  jax.jit(lambda t: seen.append(losses.muscle_logit_range(t, 1.0, 3)) or t)(0.2)
+  assert seen == [None]  # traced: unknown, so "auto" keeps the log domain
+
+
+@pytest.mark.parametrize(
+  "method,logit_range,dtype,expected",
+  [
+    ("auto", 40.0, jnp.float32, True),
+    ("auto", 84.0, jnp.float32, True),
+    ("auto", 90.0, jnp.float32, False),  # e^-90 is below float32's normal range
+    ("auto", 600.0, jnp.float64, True),
+    ("auto", 40.0, jnp.float16, False),
+    ("auto", 40.0, jnp.bfloat16, False),
+    ("auto", None, jnp.float32, False),
+    ("contract", None, jnp.float16, True),
+    ("logsumexp", 1.0, jnp.float32, False),
+  ],
+)
+def test_muscle_method_choice(method, logit_range, dtype, expected):
+  assert muscle._use_contraction(method, logit_range, dtype) is expected
+
+
+def test_muscle_auto_falls_back_where_the_contraction_underflows():
+  # Anchor e1; each partner holds e1 and -e1. Every anchor factor peaks at the
+  # e1 sample, the pair factor at opposite samples, so the largest exp-domain
+  # term is e^{-min(2 gamma, 2 / tau)} = e^{-120}: zero in float32.
+  e1, e2 = np.eye(2, dtype=np.float32)
+  anchor = np.stack([e1, e2])
+  others = np.stack([np.stack([e1, -e1])] * 2)
+  tau, gamma = 1 / 60, 60.0
+  assert losses.muscle_logit_range(tau, gamma, 2) > muscle.CONTRACT_MAX_RANGE["float32"]
+  forced = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma, method="contract")
+  assert not np.isfinite(np.asarray(forced)[0])  # the failure "auto" must avoid
+  auto = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma)
+  expected = _literal_muscle(
+    anchor.astype(np.float64), others.astype(np.float64), [tau] * 2, np.full((2, 2), gamma)
+  )
+  np.testing.assert_allclose(auto, expected, rtol=1e-5)
+
+
+def test_muscle_method_rejects_unknown():
+  with pytest.raises(ValueError, match="method must be one of"):
+    ones = np.ones((1, 2, 3), np.float32)
+    losses.muscle_loss(ones[0], ones, tau=0.2, gamma=1.0, method="fast")
 
 
 def test_muscle_compiles_once_per_shape():

@@ -207,8 +207,10 @@ def user_gradients(config: MuscleConfig, z: Array, partners: Array) -> tuple[Arr
 
   if config.loss == "muscle" and config.downlink == "factored":
     targets = jax.vmap(lambda o: losses.muscle_server_targets(o, tau=tau, gamma=gamma))(others)
+    # tau and gamma are static config: the client may contract in the exp domain.
+    logit_range = losses.muscle_logit_range(tau, gamma, config.num_partners)
     user_loss = lambda z_n, t: losses.muscle_client_loss(
-      z_n, t, chunk_size=config.chunk_size
+      z_n, t, chunk_size=config.chunk_size, logit_range=logit_range
     ).mean()
   elif config.loss == "muscle":
     targets = jax.vmap(lambda o: losses.muscle_paper_targets(o, tau=tau, gamma=gamma))(others)

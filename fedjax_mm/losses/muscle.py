@@ -35,6 +35,30 @@ the tensor would exceed a memory budget, anchors are processed in chunks with
 ``jax.lax.map`` under ``jax.checkpoint``, so the backward pass re-computes a
 chunk instead of storing every chunk's tensor.
 
+The same denominator as a tensor contraction. In the exp domain the summand
+of anchor ``i`` factorises into ``M`` anchor-sample factors and ``M(M-1)/2``
+sample-sample factors, each touching one or two of the ``j_m``:
+
+.. math::
+  \sum_{\mathbf j} e^{\mathrm{logit}(i, \mathbf j)}
+    = e^{c_i} \sum_{\mathbf j} \prod_m E_m[i, j_m] \prod_{m<m'} K_{m,m'}[j_m, j_{m'}],
+  \qquad E_m = e^{A_m - \max_k A_m[i, k]}, \quad K_{m,m'} = e^{P_{m,m'} - \max P_{m,m'}},
+
+with ``P = -gamma G`` and ``c_i`` the sum of the subtracted maxima: one
+``einsum`` of ``M`` matrices ``[b, B]`` and ``M(M-1)/2`` matrices ``[B, B]``,
+which XLA runs as batched matrix products instead of ``B^(M+1)``
+exponentials (``method="contract"``). Every factor lies in ``[e^{-r}, 1]``
+where ``r`` is its logit range, so every product (and every partial sum the
+contraction forms) is at least ``e^{-R}`` with ``R = sum_m 2 / tau_m +
+sum_{m<m'} 2 |gamma_{m,m'}|`` for L2-normalised inputs
+(:func:`muscle_logit_range`), and at most ``B^M``: nothing under- or overflows
+while ``e^{-R}`` is a normal number of the dtype. ``method="auto"`` (the
+default) contracts when ``R`` is known statically (``tau`` and ``gamma``
+concrete) and at most :data:`CONTRACT_MAX_RANGE` for a float32/float64
+computation, and falls back to the log-domain path otherwise (small
+temperatures, large ``gamma``, traced ``tau``/``gamma``, float16/bfloat16
+inputs, whose exponent range or mantissa is too small for the exp domain).
+
 Two protocols, one loss:
 
 * **factored** (the fast path): the server sends user ``n`` the
@@ -55,6 +79,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -62,6 +87,12 @@ Array = jax.Array
 # few tensors of this size (logits, softmax, a reduction buffer), so 2**25
 # float32 elements (128 MiB) keeps the temporary memory under about 1 GiB.
 DEFAULT_CHUNK_ELEMENTS = 2**25
+#: How the client computes the denominator (see the module docstring).
+METHODS = ("auto", "contract", "logsumexp")
+#: Largest static logit range ``R`` (nats) for which ``method="auto"`` contracts
+#: in the exp domain: ``e^{-R}`` stays a normal number (float32's smallest is
+#: ``e^{-87.3}``, float64's ``e^{-708.4}``), with a margin for rounding.
+CONTRACT_MAX_RANGE = {"float32": 85.0, "float64": 700.0}
 
 
 class MuscleTargets(NamedTuple):
@@ -98,6 +129,45 @@ def muscle_gamma(tau_full: float | Array, tau_reduced: float | Array) -> Array:
     ``gamma`` with the broadcast shape of the inputs.
   """
   return 1.0 / jnp.asarray(tau_reduced) - 1.0 / jnp.asarray(tau_full)
+
+
+def muscle_logit_range(tau: float | Array, gamma: float | Array, num_others: int) -> float | None:
+  r"""Static bound ``R`` on the spread of the Muscle logits, or ``None`` if traced.
+
+  For L2-normalised inputs ``A_m[i, k] = z_i . z_k / tau_m`` spans at most
+  ``2 / |tau_m|`` and ``-gamma_{m,m'} G[k, l]`` at most ``2 |gamma_{m,m'}|``, so
+  every term of the exp-domain contraction is at least ``e^{-R}`` with
+
+  .. math:: R = \sum_m \frac{2}{|\tau_m|} + \sum_{m<m'} 2|\gamma_{m,m'}|.
+
+  Args:
+    tau: scalar or ``[M]`` anchor-other temperatures.
+    gamma: scalar or ``[M, M]`` other-other weights (symmetrised, diagonal ignored).
+    num_others: ``M``.
+
+  Returns:
+    ``R`` as a Python float, or ``None`` when ``tau`` or ``gamma`` is a tracer
+    (then ``method="auto"`` uses the log-domain path).
+  """
+  try:
+    tau = np.abs(np.broadcast_to(np.asarray(tau, np.float64), (num_others,)))
+    gamma = np.asarray(gamma, np.float64)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
+  if gamma.ndim == 0:
+    gamma = np.full((num_others, num_others), gamma)
+  gamma = 0.5 * (gamma + gamma.T)
+  pairs = sum(abs(gamma[a, b]) for a, b in _pairs(num_others))
+  return float(np.sum(2.0 / tau) + 2.0 * pairs)
+
+
+def _use_contraction(method: str, logit_range: float | None, dtype) -> bool:
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if method != "auto":
+    return method == "contract"
+  limit = CONTRACT_MAX_RANGE.get(jnp.dtype(dtype).name)
+  return logit_range is not None and limit is not None and logit_range <= limit
 
 
 def _pairs(num_others: int) -> tuple[tuple[int, int], ...]:
@@ -183,7 +253,12 @@ def default_chunk_size(batch: int, num_others: int) -> int:
 
 
 def muscle_client_loss(
-  anchor: Array, targets: MuscleTargets, *, chunk_size: int | None = None
+  anchor: Array,
+  targets: MuscleTargets,
+  *,
+  chunk_size: int | None = None,
+  method: str = "auto",
+  logit_range: float | None = None,
 ) -> Array:
   """Client half of the Muscle loss (eq. (3)) from the factored server targets.
 
@@ -204,9 +279,15 @@ def muscle_client_loss(
   Args:
     anchor: ``[B, d]`` L2-normalised anchor representations ``Z^n``.
     targets: what :func:`muscle_server_targets` returned for the same batch.
-    chunk_size: anchors per chunk of the ``[B]^(M+1)`` tensor; ``None`` picks
-      the largest chunk within :data:`DEFAULT_CHUNK_ELEMENTS`, and no chunking
-      at all when the whole tensor fits.
+    chunk_size: anchors per chunk (of the ``[B]^(M+1)`` tensor, or of the
+      contraction's ``[b, B^(M-1)]`` intermediates); ``None`` picks the largest
+      chunk within :data:`DEFAULT_CHUNK_ELEMENTS`, and no chunking at all when
+      everything fits.
+    method: ``"auto"``, ``"contract"`` (exp-domain einsum) or ``"logsumexp"``
+      (log-domain broadcast tensor); see the module docstring.
+    logit_range: the static bound :func:`muscle_logit_range` of the ``tau`` and
+      ``gamma`` the targets were built with; ``"auto"`` contracts only when it
+      is given and small enough (the targets alone do not say).
 
   Returns:
     ``[B]`` per-anchor losses.
@@ -216,6 +297,9 @@ def muscle_client_loss(
     raise ValueError(f"anchor must be [B={batch}, d], got shape {anchor.shape}.")
   # a[i, m, k] = z^n_i . z^m_k / tau_m: the only place the dimension d appears.
   a = jnp.einsum("id,mkd->imk", anchor, targets.scaled_others)
+  positive = jnp.einsum("imi->i", a) + jnp.einsum("pii->i", targets.pair_logits)
+  if _use_contraction(method, logit_range, a.dtype):
+    return _contracted_lse(a, targets.pair_logits, chunk_size) - positive
   log_alpha = _log_alpha_tensor(targets.pair_logits, num_others, batch)
 
   def one_anchor_lse(a_i: Array) -> Array:
@@ -232,8 +316,58 @@ def muscle_client_loss(
     lse = jax.vmap(one_anchor_lse)(a)
   else:
     lse = jax.lax.map(jax.checkpoint(one_anchor_lse), a, batch_size=chunk)
-  positive = jnp.einsum("imi->i", a) + jnp.einsum("pii->i", targets.pair_logits)
   return lse - positive
+
+
+def _contraction_subscripts(num_others: int) -> str:
+  """``"ia,ib,ic,ab,ac,bc->i"`` for ``M = 3``: the factor graph as an einsum."""
+  letters = "abcdefghjklmnopqrstuvwxyz"[:num_others]
+  anchors = [f"i{letter}" for letter in letters]
+  pairs = [letters[m] + letters[n] for m, n in _pairs(num_others)]
+  return ",".join(anchors + pairs) + "->i"
+
+
+def _contracted_lse(a: Array, pair_logits: Array, chunk_size: int | None) -> Array:
+  """Per-anchor log-sum-exp over ``[B]^M`` by an exp-domain contraction.
+
+  Args:
+    a: ``[b, M, B]`` anchor-other logits ``A_m[i, k]``.
+    pair_logits: ``[M(M-1)/2, B, B]`` the terms ``-gamma G`` of ``log alpha``.
+    chunk_size: anchors per chunk (``None``: automatic).
+
+  Returns:
+    ``[b]`` log-sum-exps. The ``max`` shifts are held constant under
+    ``stop_gradient``: the result does not depend on them, so the gradient
+    stays exact.
+  """
+  batch, num_others, width = a.shape
+  subscripts = _contraction_subscripts(num_others)
+  pair_shift = jax.lax.stop_gradient(jnp.max(pair_logits, axis=(1, 2)))  # [P]
+  kernels = jnp.exp(pair_logits - pair_shift[:, None, None])
+  shift = jnp.sum(pair_shift)
+
+  def lse_of(a_chunk: Array) -> Array:
+    row_shift = jax.lax.stop_gradient(jnp.max(a_chunk, axis=-1))  # [c, M]
+    factors = jnp.exp(a_chunk - row_shift[..., None])  # [c, M, B]
+    # opt_einsum's greedy order eliminates one j at a time by matrix products;
+    # on a 2-core CPU it ran loss + gradient 8x faster than a hand-written
+    # elimination at M = 4 and 20x at M = 5 ("optimal" takes long to plan for
+    # M = 5 and was not faster).
+    total = jnp.einsum(
+      subscripts, *(factors[:, m] for m in range(num_others)), *kernels, optimize="greedy"
+    )
+    return jnp.log(total) + jnp.sum(row_shift, axis=-1) + shift
+
+  # The largest intermediate is about [c, B^(M-1)] (one j eliminated at a time).
+  default = max(1, DEFAULT_CHUNK_ELEMENTS // width ** max(num_others - 1, 1))
+  chunk = min(batch, default if chunk_size is None else int(chunk_size))
+  if chunk >= batch:
+    return lse_of(a)
+  pad = -batch % chunk
+  padded = jnp.pad(a, ((0, pad), (0, 0), (0, 0)))
+  chunks = padded.reshape(-1, chunk, num_others, width)
+  out = jax.lax.map(jax.checkpoint(lse_of), chunks)
+  return out.reshape(-1)[:batch]
 
 
 def muscle_loss(
@@ -243,6 +377,7 @@ def muscle_loss(
   tau: float | Array,
   gamma: float | Array,
   chunk_size: int | None = None,
+  method: str = "auto",
 ) -> Array:
   r"""The Muscle loss of each anchor (FedMuscle paper, eq. (3)).
 
@@ -258,12 +393,17 @@ def muscle_loss(
     gamma: scalar or ``[M, M]`` other-other weights
       (:func:`muscle_gamma`); the diagonal is ignored.
     chunk_size: see :func:`muscle_client_loss`.
+    method: ``"auto"`` (contract when :func:`muscle_logit_range` of ``tau``
+      and ``gamma`` allows it), ``"contract"`` or ``"logsumexp"``.
 
   Returns:
     ``[B]`` per-anchor losses.
   """
   targets = muscle_server_targets(others, tau=tau, gamma=gamma)
-  return muscle_client_loss(anchor, targets, chunk_size=chunk_size)
+  logit_range = muscle_logit_range(tau, gamma, others.shape[0])
+  return muscle_client_loss(
+    anchor, targets, chunk_size=chunk_size, method=method, logit_range=logit_range
+  )
 
 
 def muscle_paper_targets(
