@@ -11,7 +11,7 @@ import optax
 import pytest
 from sklearn import metrics as skm
 
-from fedjax_mm import core, data
+from fedjax_mm import core, data, server
 from fedjax_mm.algorithms import fedscmr as alg_lib
 from fedjax_mm.data.cross_modal import PairedFeatures, class_subset_split
 from fedjax_mm.models.scmr import ScmrModel
@@ -57,12 +57,50 @@ def test_fedscmr_weights_eq13(gamma):
   assert float(got.sum()) == pytest.approx(1.0)
 
 
-def test_fedcmr_weights():
-  omega = np.array([1 / 12, 3 / 20, 1 / 15])
-  psi = np.exp(-np.array([0.5, 1.0, 1.5]))
-  expected = 0.5 * (omega / omega.sum() + psi / psi.sum())
-  got = weights.fedcmr_weights(N, C, L, where=WHERE)
-  np.testing.assert_allclose(got, np.insert(expected, 2, 0.0), rtol=1e-5)
+def _fedcmr_loop(n, c, summed_losses, where):
+  """FedCMR's rule as its authors' code runs it (utils.parameterCooperation), in plain Python."""
+  ks = [k for k in range(len(n)) if where[k]]
+  weights = {k: n[k] * c[k] / sum(c[j] for j in ks) for k in ks}  # main.py
+  total = sum(weights.values())
+  mean = sum(summed_losses[k] for k in ks) / len(ks)
+  factor = {
+    k: weights[k] / total + 100.0 * math.exp(-math.exp(summed_losses[k] / mean)) for k in ks
+  }
+  z = sum(math.exp(f) for f in factor.values())
+  return [math.exp(factor[k]) / z if where[k] else 0.0 for k in range(len(n))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fedcmr_weights_equal_a_loop_over_clients(seed):
+  rng = np.random.default_rng(seed)
+  n = rng.integers(1, 500, 5)
+  c = rng.integers(1, 10, 5)
+  losses = rng.uniform(5.0, 50.0, 5)  # summed over the round's steps
+  where = rng.random(5) < 0.8
+  where[0] = True
+  got = weights.fedcmr_weights(n, c, losses, where=where)
+  np.testing.assert_allclose(got, _fedcmr_loop(n, c, losses, where), rtol=1e-5, atol=1e-7)
+  assert float(got.sum()) == pytest.approx(1.0, rel=1e-6)
+  # The masked clients' values enter nothing.
+  other = weights.fedcmr_weights(n, c, np.where(where, losses, 1e6), where=where)
+  np.testing.assert_array_equal(got, other)
+
+
+def test_fedcmr_weights_leave_out_the_masked_client():
+  np.testing.assert_allclose(
+    weights.fedcmr_weights(N, C, L, where=WHERE), _fedcmr_loop(N, C, L, WHERE), rtol=1e-5
+  )
+  assert server.fedcmr_weights is weights.fedcmr_weights  # exported by fedjax_mm.server
+
+
+def test_fedcmr_correction():
+  aggregated = {"w": jnp.full((3, 2), 1.0)}
+  trained = {"w": jnp.array([[3.0, 3.0], [1.0, 1.0], [0.0, 0.0]])}
+  start = {"w": jnp.array([[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]])}
+  where = np.array([True, True, False])
+  got = weights.fedcmr_correction(aggregated, trained, start, scale=0.5, where=where)
+  # W - 0.5 (W_k - W_k_start): 1 - 1, 1 - 0; client 2 received nothing.
+  np.testing.assert_allclose(got["w"], [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
 
 
 def test_num_categories():
