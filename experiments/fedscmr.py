@@ -3,22 +3,28 @@ r"""FedSCMR and its baselines on the embedded world's labelled cross-modal retri
   python -m experiments.main --config=experiments/fedscmr.py
 
 builds three clients A, B, C, each holding image-text feature pairs of its own
-subset of the 10 classes (7, 6 and 5 classes; 360, 300 and 240 training pairs;
-150 test pairs each), and trains DSCMR per client, FedAvg, FedProx, FedCMR,
-FedSCMR and the three ablations of FedSCMR side by side from the same initial
-models for 20 rounds. It prints a ranking and tables like the paper's Tables
-1-4::
+subset of the 10 classes (7, 6 and 5 classes; 360, 300 and 240 training pairs,
+60 validation pairs and 150 own-class test pairs each), plus one shared test
+set of 300 pairs over all 10 classes, and trains DSCMR per client, FedAvg and
+FedProx of the whole model, FedAvg and FedProx of the common layer only,
+FedCMR (its authors' code's rule), FedSCMR and the three ablations of FedSCMR
+side by side from the same initial models for 20 rounds. It prints rankings
+on both test protocols (with the mAP of a random ranking) and tables like the
+paper's Tables 1-4::
 
-  | Method  | mean mAP@N | mean NDCG@N |
-  | FedSCMR |     0.xxxx |      0.xxxx |
+  | Method                  | mean mAP@N | mean NDCG@N | mAP - DSCMR (paired) |
+  | FedAvg                  |     0.xxxx |      0.xxxx |              +0.xxxx |
   ...
+  | random ranking (chance) |     0.xxxx |      0.xxxx |                      |
   | Metric | Task    | Method | N=10 A | N=10 B | N=10 C | N=20 A | ... | N=50 C |
   | mAP    | Img2Txt | DSCMR  | 0.xxxx | ...
 
 (mAP@N and NDCG@N for N = 10, 20, 30, 50, img2txt / txt2img / average, per
 client). The workdir (default ``runs/fedscmr``) gets config.json,
-metrics.jsonl, TensorBoard events, report.md, metrics.png, results.json and
-checkpoints; rerunning the command resumes. Three seeds and their mean ± std::
+metrics.jsonl, TensorBoard events, report.md, global.png and metrics.png (test
+mAP per round on the shared and the own-class test), lambda.png (aggregation
+weights per round), results.json and checkpoints; rerunning the command
+resumes. Three seeds and their mean ± std::
 
   for s in 0 1 2; do
     python -m experiments.main --config=experiments/fedscmr.py --config.seed=$s \
@@ -48,7 +54,9 @@ def get_config(arg=None):
   config.local_epochs = 2
   config.batch_size = 32
   config.learning_rate = 1e-3  # Adam
-  config.test_size = 150
+  config.test_size = 150  # own-class test pairs per client
+  config.val_size = 60  # validation pairs per client: v^k of eq. (12)
+  config.global_test_size = 300  # the shared test set, 30 pairs of each class
   config.checkpoint_every = 1
   config.clients = [_client("A", 7, 360), _client("B", 6, 300), _client("C", 5, 240)]
   config.features = ml_collections.ConfigDict(
@@ -75,11 +83,16 @@ def get_config(arg=None):
   )
   config.dscmr = ml_collections.ConfigDict({"alpha": 0.1, "beta": 0.1})  # Baselines' loss.
   config.fedprox_mu = 0.01
+  # FedCMR's code: 80% of the local pairs before aggregation, 20% after; then
+  # W^k <- W - 0.5 (W^k - W^k_start).
+  config.fedcmr = ml_collections.ConfigDict({"split": 0.8, "correction": 0.5})
   config.ns = (10, 20, 30, 50)
   config.methods = (
     "dscmr",
     "fedavg",
     "fedprox",
+    "fedavg_common",
+    "fedprox_common",
     "fedcmr",
     "fedscmr",
     "fedscmr_no_lcs",
@@ -94,6 +107,8 @@ def get_config(arg=None):
     config.local_epochs = 1
     config.batch_size = 8
     config.test_size = 12
+    config.val_size = 6
+    config.global_test_size = 20
     config.clients = [_client("A", 4, 16), _client("B", 3, 12), _client("C", 2, 8)]
     config.features.image_dim = 8
     config.features.text_encoder = "bow"  # numpy: no encoder to compile

@@ -5,6 +5,7 @@ import shutil
 
 import experiment_main
 import jax
+import numpy as np
 import pytest
 
 from experiments import fedscmr as fedscmr_config
@@ -68,23 +69,40 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   reference = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
   assert "| FedSCMR" in out and "| mAP    | Img2Txt | DSCMR" in out
-  for name in ("config.json", "metrics.jsonl", "report.md", "metrics.png", "results.json"):
+  files = ("config.json", "metrics.jsonl", "report.md", "metrics.png", "global.png", "lambda.png")
+  for name in (*files, "results.json"):
     assert (workdir / name).exists(), name
   assert list((workdir / "tb").iterdir())
   report = (workdir / "report.md").read_text()
   assert "Tables 1-2" in report and "N=10 C" in report
-  methods = reference["methods"]
-  assert set(methods) == set(config.methods)
-  for m in methods.values():
-    for client in ("A", "B", "C"):
-      assert set(m[client]) == {
-        f"{metric}@{n}/{d}"
-        for metric in ("mAP", "NDCG")
-        for n in (5, 10)
-        for d in ("img2txt", "txt2img")
-      }
-      assert all(0 <= v <= 1 for v in m[client].values())
-  assert sum(reference["last_weights"]["fedscmr"]) == pytest.approx(1.0, rel=1e-5)
+  assert "shared test (all classes)" in report and "own-class test" in report
+  assert "random ranking (chance)" in report and "lambda.png" in report
+  for key in ("methods", "methods_global"):
+    methods = reference[key]
+    assert set(methods) == set(config.methods)
+    for m in methods.values():
+      for client in ("A", "B", "C"):
+        assert set(m[client]) == {
+          f"{metric}@{n}/{d}"
+          for metric in ("mAP", "NDCG")
+          for n in (5, 10)
+          for d in ("img2txt", "txt2img")
+        }
+        assert all(0 <= v <= 1 for v in m[client].values())
+  for key in ("global_test", "own_test"):
+    assert set(reference[key]) == set(config.methods)
+    for m, summary in reference[key].items():
+      mean = np.mean([v for c in reference[runner.PROTOCOLS[key.split("_")[0]][0]][m].values()
+                      for k, v in c.items() if k.startswith("mAP")])  # fmt: skip
+      assert summary["mAP"] == pytest.approx(mean)
+  assert set(reference["chance"]) == {"global_test", "own_test"}
+  # lambda per round per client, for the aggregating systems only.
+  assert set(reference["weights"]) == {"fedscmr"}
+  lam = np.array([reference["weights"]["fedscmr"][c] for c in ("A", "B", "C")])
+  assert lam.shape == (3, config.rounds)
+  np.testing.assert_allclose(lam.sum(0), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(reference["last_weights"]["fedscmr"], lam[:, -1])
+  assert len(reference["val_map"]["dscmr"]["A"]) == config.rounds
   assert set(reference["classes"]) == {"A", "B", "C"}
 
   # A crash after round 1's checkpoint: the same command resumes and ends where the
@@ -93,8 +111,8 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   (workdir / "results.json").unlink()
   resumed = runner.run(config, workdir, progress=False)
   assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
-  assert resumed["methods"] == reference["methods"]
-  assert resumed["last_weights"] == reference["last_weights"]
+  for key in ("methods", "methods_global", "weights", "val_map", "global_test", "chance"):
+    assert resumed[key] == reference[key], key
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   for m in config.methods:
     assert sorted(r["round"] for r in records if r["run"] == m) == list(range(1, config.rounds + 1))
@@ -128,3 +146,32 @@ def test_summary_over_runs_is_mean_and_std():
   # A at N=10: values 0.5 and 0.6, sample std 0.0707.
   assert "| mAP    | Img2Txt | FedAvg  | 0.5500 ± 0.0707 | 0.7500 ± 0.0707 |" in tables["main"]
   assert "ablation" not in tables
+
+
+def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
+  dirs = []
+  for seed, shift in ((0, 0.0), (1, 0.1)):
+    metrics = lambda v: {
+      c: {f"{k}@10/{d}": v for k in ("mAP", "NDCG") for d in ("img2txt", "txt2img")}
+      for c in ("A", "B")
+    }
+    result = {
+      "clients": ["A", "B"],
+      "ns": [10],
+      "seed": seed,
+      "methods": {m: metrics(0.8 + shift) for m in ("dscmr", "fedscmr")},
+      "methods_global": {"dscmr": metrics(0.3 + shift), "fedscmr": metrics(0.5 + shift)},
+      "chance": {"global_test": {"mAP": 0.2, "NDCG": 0.2}, "own_test": {"mAP": 0.4, "NDCG": 0.4}},
+      "weights": {"fedscmr": {"A": [0.5, 0.2, 0.4], "B": [0.5, 0.8, 0.6]}},
+    }
+    (tmp_path / str(seed)).mkdir()
+    (tmp_path / str(seed) / "results.json").write_text(json.dumps(result))
+    dirs.append(tmp_path / str(seed))
+  text = runner.summarize(dirs)
+  shared = text.index("Ranking on the shared test")
+  own = text.index("Ranking on the own-class test")
+  assert shared < own
+  assert "| FedSCMR                 | 0.5500 ± 0.0707 |" in text[shared:own]
+  assert "| random ranking (chance) | 0.2000 ± 0.0000 |" in text[shared:own]
+  assert "| DSCMR                   | 0.8500 ± 0.0707 |" in text[own:]
+  assert "| FedSCMR | 0.4000 ± 0.0000 | 0.6000 ± 0.0000 |" in text  # last 1 of 3 rounds

@@ -13,6 +13,9 @@ Wikipedia. This module holds such features, whatever produced them:
   ``k`` sees only ``c_k`` of the classes (a seeded random subset, clients
   overlap) and holds ``n_k`` training pairs plus ``m`` test pairs drawn from
   those classes, disjoint across clients and between train and test.
+* :func:`shared_test_split` — one test set over every class, drawn from the
+  pairs no client holds, on which every client can be scored (FedCMR's
+  protocol: one test set for all clients).
 
 Everything is numpy and deterministic from an integer seed.
 """
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PairedFeatures", "class_subset_split", "class_demand"]
+__all__ = ["PairedFeatures", "class_subset_split", "class_demand", "shared_test_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,3 +162,54 @@ def class_subset_split(
     train.append(np.sort(chosen[:size]))
     test.append(np.sort(chosen[size:]))
   return train, test, client_classes
+
+
+def shared_test_split(
+  labels: np.ndarray,
+  *,
+  num_classes: int,
+  size: int,
+  exclude: Sequence[np.ndarray] = (),
+  seed: int,
+) -> np.ndarray:
+  """``size`` pairs over every class, as evenly as the count allows, none of them in ``exclude``.
+
+  The pairs come from the same pool as the clients' (so the same
+  distribution given the class), uniformly at random among the pairs of each
+  class that are not excluded (the clients' train and test indices).
+
+  Examples:
+    >>> labels = np.repeat(np.arange(3), 4)
+    >>> test = shared_test_split(labels, num_classes=3, size=5, exclude=[np.arange(2)], seed=0)
+    >>> np.bincount(labels[test]).tolist(), bool(set(test) & {0, 1})
+    ([2, 2, 1], False)
+
+  Args:
+    labels: ``int [n]`` labels of the pool.
+    num_classes: number of classes ``C``.
+    size: number of pairs; ``size // C`` or one more of each class.
+    exclude: index arrays of pairs already taken.
+    seed: integer seed.
+
+  Returns:
+    sorted ``int64`` indices into the pool.
+
+  Raises:
+    ValueError: ``size < C`` or some class has too few pairs left.
+  """
+  labels = np.asarray(labels)
+  if size < num_classes:
+    raise ValueError(f"a shared test set over {num_classes} classes needs >= {num_classes} pairs.")
+  taken = np.zeros(labels.shape[0], bool)
+  for idx in exclude:
+    taken[np.asarray(idx, np.int64)] = True
+  rng = np.random.default_rng([seed, 13])
+  chosen = []
+  for c, count in _per_class(size, np.arange(num_classes)).items():
+    free = np.flatnonzero((labels == c) & ~taken)
+    if len(free) < count:
+      raise ValueError(
+        f"class {c} has {len(free)} pairs left for the shared test set; it needs {count}."
+      )
+    chosen.append(rng.choice(free, size=count, replace=False))
+  return np.sort(np.concatenate(chosen))

@@ -4,14 +4,24 @@
 --config=experiments/fedscmr.py`` calls: :func:`fedjax_mm.runner.loop.run` of
 :func:`experiment`. It builds labelled image-text feature pairs (the embedded
 world through fixed, seeded encoders, or real precomputed features from an
-``.npz``), splits them over the clients by class subsets, and trains every
-system of :data:`METHODS` side by side from the same initial models, for
-``config.rounds`` rounds. Each round is one jitted call per system (compiled
-once). After every round it evaluates every client on its own test pairs
-(mAP@N and NDCG@N, image-to-text and text-to-image). Workdir, checkpoints,
-resume, NaN guard and the files written are the loop's. At the end it prints
-and writes the tables of the paper's Tables 1-4 (:func:`tables`), a plot and
-``results.json``; :func:`summarize` gives them over seeds.
+``.npz``), splits them over the clients by class subsets (each client's
+training, validation and test pairs) plus one shared test set over every
+class, and trains every system of :data:`METHODS` side by side from the same
+initial models, for ``config.rounds`` rounds. Each round is one jitted call per
+system (compiled once). After every round it evaluates every client under two
+protocols (mAP@N and NDCG@N, image-to-text and text-to-image):
+
+* **own-class test**: the client's own test pairs, of its own classes only;
+* **shared test**: one test set over all classes, the same for every client
+  and every system (FedCMR's code scores its clients this way). A client that
+  never saw a class can only retrieve it through what federation brought it,
+  so this protocol shows what the own-class test hides.
+
+Workdir, checkpoints, resume, NaN guard and the files written are the loop's.
+At the end it prints and writes the tables of the paper's Tables 1-4 under
+both protocols (:func:`tables`), the chance level of each (a random ranking),
+plots of the test mAP and of the aggregation weights ``lambda^k_t`` per round,
+and ``results.json``; :func:`summarize` gives them over seeds.
 
 Everything is validated before anything is computed: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
@@ -45,7 +55,7 @@ import json
 import math
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +63,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fedjax_mm import core, data, models
+from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import fedscmr as alg_lib
-from fedjax_mm.data.cross_modal import PairedFeatures, class_demand, class_subset_split
+from fedjax_mm.data.cross_modal import (
+  PairedFeatures,
+  class_demand,
+  class_subset_split,
+  shared_test_split,
+)
 from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
@@ -66,6 +81,8 @@ METHODS: dict[str, str] = {
   "dscmr": "DSCMR",
   "fedavg": "FedAvg",
   "fedprox": "FedProx",
+  "fedavg_common": "FedAvg (common)",
+  "fedprox_common": "FedProx (common)",
   "fedcmr": "FedCMR",
   "fedscmr": "FedSCMR",
   "fedscmr_no_lcs": "FedSCMR -L_cs",
@@ -73,7 +90,7 @@ METHODS: dict[str, str] = {
   "fedscmr_no_phi": "FedSCMR -Phi",
 }
 #: Rows of the paper's Tables 1-2 and 3-4.
-MAIN_TABLE = ("dscmr", "fedavg", "fedprox", "fedcmr", "fedscmr")
+MAIN_TABLE = ("dscmr", "fedavg", "fedprox", "fedavg_common", "fedprox_common", "fedcmr", "fedscmr")
 ABLATION_TABLE = ("fedscmr_no_lcs", "fedscmr_no_lccs", "fedscmr_no_phi", "fedscmr")
 #: Text feature extractors: ``"bow"`` (numpy, a fixed random projection of word counts) or a
 #: frozen, randomly initialised text encoder of :mod:`fedjax_mm.models`.
@@ -81,6 +98,11 @@ TEXT_ENCODERS = ("bow",) + tuple(
   name for name, (modality, _) in models.ENCODERS.items() if modality == "text"
 )
 DIRECTIONS = (("img2txt", "Img2Txt"), ("txt2img", "Txt2Img"))
+#: Test protocols: results.json key of the per-client metrics, and the name in the report.
+PROTOCOLS = {
+  "global": ("methods_global", "shared test (all classes)"),
+  "own": ("methods", "own-class test"),
+}
 
 
 def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
@@ -96,11 +118,15 @@ def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
     num_classes=num_classes,
     map_n=f.map_n,
   )
+  whole = {"aggregation": "fedavg", "federated": "all"}
+  fedcmr = {"aggregation": "fedcmr", "split": config.fedcmr.split}
   table = {
     "dscmr": dscmr | {"aggregation": "none"},
-    "fedavg": dscmr | {"aggregation": "fedavg"},
-    "fedprox": dscmr | {"aggregation": "fedavg", "prox_mu": config.fedprox_mu},
-    "fedcmr": dscmr | {"aggregation": "fedcmr"},
+    "fedavg": dscmr | whole,
+    "fedprox": dscmr | whole | {"prox_mu": config.fedprox_mu},
+    "fedavg_common": dscmr | {"aggregation": "fedavg"},
+    "fedprox_common": dscmr | {"aggregation": "fedavg", "prox_mu": config.fedprox_mu},
+    "fedcmr": dscmr | fedcmr | {"correction": config.fedcmr.correction},
     "fedscmr": full,
     "fedscmr_no_lcs": full | {"alpha": 0.0},
     "fedscmr_no_lccs": full | {"beta": 0.0},
@@ -151,7 +177,7 @@ def validate(config) -> None:
   for c in clients:
     if c["train_size"] < 1:
       raise ConfigError(f"client {c['name']}: train_size must be >= 1, got {c['train_size']}.")
-  for key in ("rounds", "local_epochs", "batch_size", "test_size"):
+  for key in ("rounds", "local_epochs", "batch_size", "test_size", "val_size", "global_test_size"):
     if config[key] < 1:
       raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
   if config.learning_rate <= 0:
@@ -278,10 +304,11 @@ def _features(config) -> tuple[PairedFeatures, int]:
       pool = PairedFeatures(image=z["image"], text=z["text"], labels=z["labels"])
     return pool, int(pool.labels.max()) + 1
   num_classes = data.NUM_SHAPES
-  sizes = [c["train_size"] + config.test_size for c in config.clients]
+  sizes = [c["train_size"] + config.val_size + config.test_size for c in config.clients]
   demand = class_demand(
     num_classes, [c["classes"] for c in config.clients], sizes, seed=config.seed
   )
+  demand += -(-config.global_test_size // num_classes)  # the shared test set, every class
   # Labels are close to uniform: draw enough for the most demanded class, with margin.
   num = int(1.4 * num_classes * demand.max()) + 50
   if f.image_encoder:
@@ -299,8 +326,40 @@ def _features(config) -> tuple[PairedFeatures, int]:
   return pool, num_classes
 
 
-def build(config):
-  """Validated config -> group, initial state, train / test data, client classes."""
+class Setup(NamedTuple):
+  """What :func:`build` makes of a config.
+
+  Attributes:
+    group: the clients' static definition.
+    state: their identical initial :class:`~fedjax_mm.core.ClientState`.
+    train: each client's training pairs.
+    val: each client's validation pairs (``v^k_t`` of eq. 12), of its classes.
+    test: each client's own-class test pairs.
+    shared_test: ``{"image", "text", "label"}`` arrays of the shared test set
+      over every class (no client axis).
+    num_classes: number of classes.
+    classes: each client's classes.
+  """
+
+  group: core.GroupDef
+  state: core.ClientState
+  train: core.ClientData
+  val: core.ClientData
+  test: core.ClientData
+  shared_test: dict[str, jax.Array]
+  num_classes: int
+  classes: list[np.ndarray]
+
+
+def build(config) -> Setup:
+  """Validated config -> group, initial state, the data of both test protocols, client classes.
+
+  Each client takes ``train_size + val_size + test_size`` pairs of its classes
+  (:func:`~fedjax_mm.data.cross_modal.class_subset_split`), split at random
+  into training, validation and test pairs; the shared test set takes
+  ``global_test_size`` pairs over every class from the rest of the pool
+  (:func:`~fedjax_mm.data.cross_modal.shared_test_split`).
+  """
   validate(config)
   pool, num_classes = _features(config)
   for c in config.clients:
@@ -309,18 +368,31 @@ def build(config):
         f"client {c['name']}: classes must be in [1, {num_classes}], got {c['classes']}."
       )
   try:
-    train_idx, test_idx, classes = class_subset_split(
+    train_idx, held_idx, classes = class_subset_split(
       pool.labels,
       num_classes=num_classes,
       classes_per_client=[c["classes"] for c in config.clients],
       train_sizes=[c["train_size"] for c in config.clients],
-      test_size=config.test_size,
+      test_size=config.val_size + config.test_size,
+      seed=config.seed,
+    )
+    shared_idx = shared_test_split(
+      pool.labels,
+      num_classes=num_classes,
+      size=config.global_test_size,
+      exclude=train_idx + held_idx,
       seed=config.seed,
     )
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  rng = np.random.default_rng([config.seed, 17])
+  val_idx, test_idx = [], []
+  for held in held_idx:
+    held = rng.permutation(held)
+    val_idx.append(np.sort(held[: config.val_size]))
+    test_idx.append(np.sort(held[config.val_size :]))
   client_data = []
-  for parts in (train_idx, test_idx):
+  for parts in (train_idx, val_idx, test_idx):
     stacked, mask = data.stack_clients([pool.take(idx).as_dict() for idx in parts])
     client_data.append(
       core.make_client_data(stacked, mask, user_ids=np.arange(len(config.clients)))
@@ -338,7 +410,8 @@ def build(config):
     local_epochs=config.local_epochs,
     batch_size=config.batch_size,
   )
-  return group, state, client_data[0], client_data[1], num_classes, classes
+  shared_test = {k: jnp.asarray(v) for k, v in pool.take(shared_idx).as_dict().items()}
+  return Setup(group, state, *client_data, shared_test, num_classes, classes)
 
 
 def _init_jitted(make, key):
@@ -392,47 +465,106 @@ def _headline(client_metrics: Mapping[str, Mapping[str, float]], n: int) -> floa
   )
 
 
+def chance_level(
+  labels: jax.Array, mask: jax.Array, *, ns: Sequence[int], key: jax.Array, draws: int = 32
+) -> dict[str, float]:
+  """mAP@N and NDCG@N of a random ranking on ONE test set, averaged over ``ns`` and draws.
+
+  Queries and database are i.i.d. Gaussian embeddings (cosine similarity then
+  ranks the database uniformly at random), scored with the same metrics as
+  the systems; both directions are the same in distribution.
+
+  Args:
+    labels: ``int [n]`` labels of the test pairs.
+    mask: ``bool [n]`` valid pairs.
+    ns: the ``N`` of mAP@N / NDCG@N.
+    key: PRNG key.
+    draws: random rankings averaged.
+
+  Returns:
+    ``{"mAP": m, "NDCG": g}``.
+  """
+
+  def one(k):
+    q, d = jax.random.normal(k, (2, labels.shape[0], 8))
+    kw = dict(query_where=mask, database_where=mask)
+    maps = [metrics.map_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
+    ndcgs = [metrics.ndcg_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
+    return jnp.mean(jnp.stack(maps)), jnp.mean(jnp.stack(ndcgs))
+
+  maps, ndcgs = jax.jit(jax.vmap(one))(jax.random.split(key, draws))
+  return {"mAP": float(jnp.mean(maps)), "NDCG": float(jnp.mean(ndcgs))}
+
+
+def _chance(setup: Setup, ns, seed: int) -> dict[str, dict[str, float]]:
+  """Chance levels of both protocols (own-class: the mean over clients)."""
+  key = jax.random.fold_in(jax.random.key(seed), 20_000)
+  labels = setup.shared_test["label"]
+  shared = chance_level(labels, jnp.ones(labels.shape, bool), ns=ns, key=key)
+  own = [
+    chance_level(setup.test.arrays["label"][k], setup.test.sample_mask[k], ns=ns, key=key)
+    for k in range(setup.test.num_clients)
+  ]
+  return {
+    "global_test": shared,
+    "own_test": {m: float(np.mean([o[m] for o in own])) for m in ("mAP", "NDCG")},
+  }
+
+
 def experiment(config) -> loop.Experiment:
   """Every configured system side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
 
   Every system starts from a copy of the same initial clients; each round is
   one jitted call per system; after every round every client is evaluated on
-  its own test pairs (mAP@N and NDCG@N in both directions).
+  its own test pairs and on the shared test set (mAP@N and NDCG@N in both
+  directions).
   """
-  group, init_state, train, test, num_classes, classes = build(config)  # Validates first.
+  setup = build(config)  # Validates first.
+  group = setup.group
   names = [c["name"] for c in config.clients]
   methods = tuple(config.methods)
   ns = tuple(int(n) for n in config.ns)
   mesh = core.client_mesh(1)
   faults = validation.check_faults(config)
   algs = {
-    m: alg_lib.fedscmr(group, method_config(config, m, num_classes), faults=faults) for m in methods
+    m: alg_lib.fedscmr(group, method_config(config, m, setup.num_classes), faults=faults)
+    for m in methods
   }
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
+  chance = _chance(setup, ns, config.seed)
 
   def step(m):
     def fn(s):
-      s, stats = algs[m].round(s, train)
+      s, stats = algs[m].round(s, setup.train, setup.val)
       return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
 
     return jax.jit(fn, donate_argnums=0)
 
-  evaluate_clients = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+  shared_mask = jnp.ones(setup.shared_test["label"].shape, bool)
+  evaluate_own = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], setup.test, ns=ns))
+  evaluate_shared = jax.jit(
+    lambda s: alg_lib.evaluate_shared(group, s.groups[0], setup.shared_test, shared_mask, ns=ns)
+  )
 
-  def evaluate(s) -> dict[str, dict[str, float]]:
-    """Client name -> its metrics."""
-    values = {k: np.asarray(v) for k, v in evaluate_clients(s).items()}
+  def per_client(values) -> dict[str, dict[str, float]]:
+    values = {k: np.asarray(v) for k, v in values.items()}
     return {name: {k: float(v[i]) for k, v in values.items()} for i, name in enumerate(names)}
+
+  def evaluate(s) -> dict[str, dict[str, dict[str, float]]]:
+    """``{"own" | "global": {client name: its metrics}}``."""
+    return {"own": per_client(evaluate_own(s)), "global": per_client(evaluate_shared(s))}
 
   def scalars(r, outs, evals):
     rows = []
     for m in methods:
       values = {}
+      weights = np.asarray(outs[m]["weight"])
       for i, name in enumerate(names):
-        values |= {f"{name}/{k}": v for k, v in evals[m][name].items()}
+        values |= {f"{name}/{k}": v for k, v in evals[m]["own"][name].items()}
+        values |= {f"{name}/global/{k}": v for k, v in evals[m]["global"][name].items()}
         values[f"{name}/train_loss"] = float(outs[m]["loss"][i])
-        values[f"{name}/train_map"] = float(outs[m]["map"][i])
-        values[f"{name}/weight"] = float(np.asarray(outs[m]["weight"])[i])
+        values[f"{name}/val_map"] = float(outs[m]["map"][i])
+        values[f"{name}/weight"] = float(weights[i])
       counts = outs[m].get("fault_counts") or {}
       values |= {f"faults/{k}": float(v) for k, v in counts.items()}
       rows.append((m, values))
@@ -441,11 +573,11 @@ def experiment(config) -> loop.Experiment:
   def postfix(evals):
     if "fedscmr" not in evals:
       return {}
-    return {f"FedSCMR mAP@{ns[-1]}": f"{_headline(evals['fedscmr'], ns[-1]):.3f}"}
+    return {f"FedSCMR shared mAP@{ns[-1]}": f"{_headline(evals['fedscmr']['global'], ns[-1]):.3f}"}
 
   return loop.Experiment(
     init=lambda: {
-      m: jax.tree.map(jnp.copy, alg.init(init_state, init_key)).place(mesh)
+      m: jax.tree.map(jnp.copy, alg.init(setup.state, init_key)).place(mesh)
       for m, alg in algs.items()
     },
     methods={m: step(m) for m in methods},
@@ -455,7 +587,7 @@ def experiment(config) -> loop.Experiment:
     ],
     scalars=scalars,
     runs=methods,
-    report=lambda outcome: _report(config, names, classes, ns, outcome),
+    report=lambda outcome: _report(config, names, setup.classes, ns, chance, outcome),
     postfix=postfix,
   )
 
@@ -482,14 +614,19 @@ def _cell(values: Sequence[float], *, signed: bool = False) -> str:
   return f"{np.mean(values):{fmt}} ± {np.std(values, ddof=1):.4f}"
 
 
-def _value(result, method, client, metric, direction, n) -> float:
-  cm = result["methods"][method][client]
+def _value(result, key, method, client, metric, direction, n) -> float:
+  cm = result[key][method][client]
   if direction == "average":
     return 0.5 * (cm[f"{metric}@{n}/img2txt"] + cm[f"{metric}@{n}/txt2img"])
   return cm[f"{metric}@{n}/{direction}"]
 
 
-def tables(results: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+def _protocols(results: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The protocols every run holds, shared test first (runs older than it have only own)."""
+  return [p for p, (key, _) in PROTOCOLS.items() if all(key in r for r in results)]
+
+
+def tables(results: Sequence[Mapping[str, Any]], *, protocol: str = "own") -> dict[str, str]:
   """The paper's Tables 1-2 (systems) and 3-4 (ablations) from one or more runs.
 
   Rows: metric (mAP, NDCG) x task (Img2Txt, Txt2Img, Average) x system;
@@ -500,17 +637,20 @@ def tables(results: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 
   Args:
     results: ``results.json`` contents of runs with the same clients and ``ns``.
+    protocol: ``"own"`` (each client's own-class test pairs) or ``"global"``
+      (the shared test set over every class); see :data:`PROTOCOLS`.
 
   Returns:
     ``{"main": table, "ablation": table}`` (markdown; an entry is absent when
     none of its systems ran).
   """
+  key = PROTOCOLS[protocol][0]
   first = results[0]
   names, ns = first["clients"], first["ns"]
   headers = ["Metric", "Task", "Method"] + [f"N={n} {c}" for n in ns for c in names]
   out = {}
-  for key, rows_of in (("main", MAIN_TABLE), ("ablation", ABLATION_TABLE)):
-    present = [m for m in rows_of if all(m in r["methods"] for r in results)]
+  for table, rows_of in (("main", MAIN_TABLE), ("ablation", ABLATION_TABLE)):
+    present = [m for m in rows_of if all(m in r[key] for r in results)]
     if present in ([], ["fedscmr"]):
       continue
     rows = []
@@ -520,17 +660,17 @@ def tables(results: Sequence[Mapping[str, Any]]) -> dict[str, str]:
           row = [metric, title, METHODS[m]]
           for n in ns:
             for c in names:
-              row.append(_cell([_value(r, m, c, metric, direction, n) for r in results]))
+              row.append(_cell([_value(r, key, m, c, metric, direction, n) for r in results]))
           rows.append(row)
-    out[key] = report_lib.format_table(headers, rows)
+    out[table] = report_lib.format_table(headers, rows)
   return out
 
 
-def _mean_over_cells(result, method, metric) -> float:
+def _mean_over_cells(result, method, metric, key: str = "methods") -> float:
   return float(
     np.mean(
       [
-        result["methods"][method][c][f"{metric}@{n}/{d}"]
+        result[key][method][c][f"{metric}@{n}/{d}"]
         for c in result["clients"]
         for n in result["ns"]
         for d, _ in DIRECTIONS
@@ -539,92 +679,214 @@ def _mean_over_cells(result, method, metric) -> float:
   )
 
 
-def ranking(results: Sequence[Mapping[str, Any]], *, baseline: str = "dscmr") -> str:
+def ranking(
+  results: Sequence[Mapping[str, Any]], *, protocol: str = "own", baseline: str = "dscmr"
+) -> str:
   """One row per system: mAP and NDCG averaged over clients, ``N`` and directions.
 
   ``mean ± std`` over runs; systems sorted by mean average mAP, best first. The
   last column is the **paired** difference in mean mAP to ``baseline`` (each
   run minus the baseline of the same run, then mean ± std), which removes the
   run-to-run variation the systems share (same data, same initial models).
+  When the runs hold it, a last row gives the chance level: a random ranking
+  of the same test pairs (:func:`chance_level`).
   """
+  key = PROTOCOLS[protocol][0]
   rows = []
   for m in METHODS:
-    if not all(m in r["methods"] for r in results):
+    if not all(m in r[key] for r in results):
       continue
-    maps = [_mean_over_cells(r, m, "mAP") for r in results]
-    ndcgs = [_mean_over_cells(r, m, "NDCG") for r in results]
+    maps = [_mean_over_cells(r, m, "mAP", key) for r in results]
+    ndcgs = [_mean_over_cells(r, m, "NDCG", key) for r in results]
     row = [METHODS[m], _cell(maps), _cell(ndcgs)]
-    if all(baseline in r["methods"] for r in results):
-      diffs = [x - _mean_over_cells(r, baseline, "mAP") for x, r in zip(maps, results, strict=True)]
+    if all(baseline in r[key] for r in results):
+      diffs = [
+        x - _mean_over_cells(r, baseline, "mAP", key) for x, r in zip(maps, results, strict=True)
+      ]
       row.append(_cell(diffs, signed=True))
     rows.append((np.mean(maps), row))
   rows.sort(key=lambda x: -x[0])
+  rows = [row for _, row in rows]
   headers = ["Method", "mean mAP@N", "mean NDCG@N"]
-  if rows and len(rows[0][1]) == 4:
+  if rows and len(rows[0]) == 4:
     headers.append(f"mAP - {METHODS[baseline]} (paired)")
-  return report_lib.format_table(headers, [row for _, row in rows])
+  chance_key = {"own": "own_test", "global": "global_test"}[protocol]
+  if rows and all(chance_key in r.get("chance", {}) for r in results):
+    chance = [r["chance"][chance_key] for r in results]
+    row = ["random ranking (chance)", _cell([c["mAP"] for c in chance])]
+    row.append(_cell([c["NDCG"] for c in chance]))
+    rows.append(row + [""] * (len(headers) - len(row)))
+  return report_lib.format_table(headers, rows)
 
 
-def _report(config, names, classes, ns, outcome: loop.Outcome) -> loop.Report:
-  """The ranking and the paper's Tables 1-4 for this run, mAP curves, ``results.json``.
+def weights_table(results: Sequence[Mapping[str, Any]], *, last: int | None = None) -> str:
+  """Mean aggregation weight ``lambda^k`` of each client over the last rounds, per system.
 
-  The aggregation weights of the last round come from its ``metrics.jsonl``
-  lines, so a run resumed after its last round reports them too.
+  ``last`` rounds (default: the second half of the run) are averaged within
+  each run, then ``mean ± std`` over runs. A flat row (every client near
+  ``1 / K``) means the rule did not tell the clients apart; the data shares
+  ``n^k / sum_j n^j`` (FedAvg's weights) are the reference. Empty string when
+  no run recorded weights.
+  """
+  if not all("weights" in r for r in results):
+    return ""
+  names = results[0]["clients"]
+  rows = []
+  for m in METHODS:
+    if not all(m in r["weights"] for r in results):
+      continue
+    row = [METHODS[m]]
+    for c in names:
+      values = []
+      for r in results:
+        series = r["weights"][m][c]
+        k = last or max(1, len(series) // 2)
+        values.append(float(np.mean(series[-k:])))
+      row.append(_cell(values))
+    rows.append(row)
+  if not rows:
+    return ""
+  return report_lib.format_table(["Method"] + [f"lambda {c}" for c in names], rows)
+
+
+def _history(outcome: loop.Outcome, names, prefix: str, key: str) -> dict[str, dict[str, list]]:
+  """method -> client -> ``[(round, value)]`` of ``{client}/{prefix}{key}``."""
+  out = {m: {name: [] for name in names} for m in outcome.final}
+  for record in sorted(outcome.history, key=lambda r: r["round"]):
+    for name in names:
+      value = record.get(f"{name}/{prefix}{key}")
+      if value is not None and record["run"] in out:
+        out[record["run"]][name].append((record["round"], float(value)))
+  return out
+
+
+def _mean_map_history(outcome, names, n, prefix):
+  """method -> client -> ``[(round, mean of both directions' mAP@n)]``."""
+  per_dir = [_history(outcome, names, prefix, f"mAP@{n}/{d}") for d, _ in DIRECTIONS]
+  return {
+    m: {
+      name: [
+        (r, 0.5 * (a + b)) for (r, a), (_, b) in zip(*(h[m][name] for h in per_dir), strict=True)
+      ]
+      for name in names
+    }
+    for m in outcome.final
+  }
+
+
+def _summary(result, key: str) -> dict[str, dict[str, float]]:
+  """method -> ``{"mAP", "NDCG"}`` means over clients, ``N`` and directions."""
+  return {
+    m: {metric: _mean_over_cells(result, m, metric, key) for metric in ("mAP", "NDCG")}
+    for m in result[key]
+  }
+
+
+def _report(config, names, classes, ns, chance, outcome: loop.Outcome) -> loop.Report:
+  """Rankings and the paper's Tables 1-4 under both protocols, curves, ``results.json``.
+
+  The per-round aggregation weights and validation mAPs come from the run's
+  ``metrics.jsonl`` lines, so a run resumed after its last round reports them too.
   """
   n = ns[-1]
-  history = {m: {name: [] for name in names} for m in outcome.final}
-  last_weights = {}
-  for record in outcome.history:
-    m = record["run"]
-    for name in names:
-      keys = [f"{name}/mAP@{n}/{d}" for d, _ in DIRECTIONS]
-      history[m][name].append((record["round"], float(np.mean([record[k] for k in keys]))))
-    if record["round"] == config.rounds:
-      last_weights[m] = [record[f"{name}/weight"] for name in names]
+  aggregating = [m for m in outcome.final if method_config(config, m, 2).aggregation != "none"]
+  weight_history = _history(outcome, names, "", "weight")
+  val_history = _history(outcome, names, "", "val_map")
   result = {
     "clients": names,
     "classes": {name: [int(c) for c in cs] for name, cs in zip(names, classes, strict=True)},
-    "methods": outcome.final,
-    "last_weights": {m: last_weights[m] for m in outcome.final},
+    "methods": {m: e["own"] for m, e in outcome.final.items()},
+    "methods_global": {m: e["global"] for m, e in outcome.final.items()},
     "ns": list(ns),
+  }
+  result |= {
+    "global_test": _summary(result, "methods_global"),
+    "own_test": _summary(result, "methods"),
+    "chance": chance,
+    "weights": {m: {c: [w for _, w in weight_history[m][c]] for c in names} for m in aggregating},
+    "last_weights": {m: [weight_history[m][c][-1][1] for c in names] for m in aggregating},
+    "val_map": {m: {c: [v for _, v in val_history[m][c]] for c in names} for m in outcome.final},
+    "sizes": {
+      "train": [int(c["train_size"]) for c in config.clients],
+      "val": int(config.val_size),
+      "test": int(config.test_size),
+      "global_test": int(config.global_test_size),
+    },
     "rounds": config.rounds,
     "seed": config.seed,
     "wall_time_s": outcome.wall_time_s,
   }
-  t = tables([result])
-  rank = ranking([result])
   counts = ", ".join(f"{name}: {len(result['classes'][name])}" for name in names)
   summary = (
     f"{len(names)} clients (classes {counts}; train sizes "
-    f"{', '.join(str(c['train_size']) for c in config.clients)}; {config.test_size} test pairs "
-    f"each) after {config.rounds} rounds of E={config.local_epochs} local epochs; seed "
-    f"{config.seed}; wall time {outcome.wall_time_s:.0f} s"
+    f"{', '.join(str(c['train_size']) for c in config.clients)}; {config.val_size} validation "
+    f"and {config.test_size} own-class test pairs each; a shared test set of "
+    f"{config.global_test_size} pairs over every class) after {config.rounds} rounds of "
+    f"E={config.local_epochs} local epochs; seed {config.seed}; wall time "
+    f"{outcome.wall_time_s:.0f} s"
     + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
   )
-  sections = [("Setup", summary), ("Ranking (mean over clients, N and directions)", rank)]
-  if "main" in t:
-    sections.append(("Systems (as the paper's Tables 1-2)", t["main"]))
-  if "ablation" in t:
-    sections.append(("Ablations (as the paper's Tables 3-4)", t["ablation"]))
-  series = {f"client {name}": {METHODS[m]: history[m][name] for m in history} for name in names}
-  curves = loop.Curves(series, f"Test mAP@{n} per round (mean of img2txt and txt2img)", f"mAP@{n}")
+  sections = [("Setup", summary)]
+  for protocol, (_, title) in PROTOCOLS.items():
+    sections.append(
+      (
+        f"Ranking on the {title} (mean over clients, N and directions)",
+        ranking([result], protocol=protocol),
+      )
+    )
+  weights = weights_table([result])
+  if weights:
+    sections.append(
+      ("Aggregation weights lambda (mean over the second half of the rounds)", weights)
+    )
+  for protocol, (_, title) in PROTOCOLS.items():
+    t = tables([result], protocol=protocol)
+    if "main" in t:
+      sections.append((f"Systems on the {title} (as the paper's Tables 1-2)", t["main"]))
+    if "ablation" in t:
+      sections.append((f"Ablations on the {title} (as the paper's Tables 3-4)", t["ablation"]))
+  plots = {}
+  for file, prefix, title in (
+    ("global.png", "global/", "shared test set, all classes"),
+    ("metrics.png", "", "own-class test"),
+  ):
+    history = _mean_map_history(outcome, names, n, prefix)
+    series = {f"client {c}": {METHODS[m]: history[m][c] for m in history} for c in names}
+    plots[file] = loop.Curves(
+      series, f"Test mAP@{n} per round ({title}; mean of img2txt and txt2img)", f"mAP@{n}"
+    )
+  figures = ["![mAP on the shared test set](global.png)", "![mAP per own-class test](metrics.png)"]
+  if aggregating:
+    series = {METHODS[m]: {f"client {c}": weight_history[m][c] for c in names} for m in aggregating}
+    plots["lambda.png"] = loop.Curves(series, "Aggregation weight lambda^k per round", "lambda")
+    figures.append("![aggregation weights](lambda.png)")
   return loop.Report(
     title="FedSCMR and its baselines",
-    sections=[*sections, ("Curves", "![mAP per round](metrics.png)")],
-    plots={"metrics.png": curves},
+    sections=[*sections, ("Curves", "\n\n".join(figures))],
+    plots=plots,
     results=result,
     text="\n\n".join(f"{h}\n\n{b}" for h, b in sections),
   )
 
 
 def summarize(workdirs: Sequence[str | pathlib.Path]) -> str:
-  """Mean ± std tables over the ``results.json`` of several runs (seeds)."""
+  """Mean ± std over the ``results.json`` of several runs (seeds): rankings and tables.
+
+  Rankings under both protocols (with the chance level), the mean aggregation
+  weights, then Tables 1-4 under both protocols.
+  """
   results = [json.loads((pathlib.Path(w) / "results.json").read_text()) for w in workdirs]
   seeds = ", ".join(str(r.get("seed")) for r in results)
-  t = tables(results)
-  parts = [
-    f"{len(results)} runs (seeds {seeds}); cells are mean ± std over runs.",
-    ranking(results),
-  ]
-  parts += [t[k] for k in ("main", "ablation") if k in t]
+  parts = [f"{len(results)} runs (seeds {seeds}); cells are mean ± std over runs."]
+  protocols = _protocols(results)
+  for protocol in protocols:
+    parts += [f"Ranking on the {PROTOCOLS[protocol][1]}:", ranking(results, protocol=protocol)]
+  weights = weights_table(results)
+  if weights:
+    parts += ["Aggregation weights lambda (mean over the second half of the rounds):", weights]
+  for protocol in protocols:
+    t = tables(results, protocol=protocol)
+    for k in ("main", "ablation"):
+      if k in t:
+        parts += [f"Tables ({k}) on the {PROTOCOLS[protocol][1]}:", t[k]]
   return "\n\n".join(parts)

@@ -198,6 +198,8 @@ FEDSCMR: dict[str, Range] = {
   "batch_size": COUNT,
   "learning_rate": POSITIVE,
   "test_size": COUNT,
+  "val_size": COUNT,
+  "global_test_size": COUNT,
   "checkpoint_every": COUNT,
   "clients[].classes": COUNT,
   "clients[].train_size": COUNT,
@@ -212,6 +214,8 @@ FEDSCMR: dict[str, Range] = {
   "dscmr.alpha": NON_NEGATIVE,
   "dscmr.beta": NON_NEGATIVE,
   "fedprox_mu": NON_NEGATIVE,
+  "fedcmr.split": Range(0, 1, low_open=True),  # before aggregation; the rest after
+  "fedcmr.correction": NON_NEGATIVE,
   "ns[]": COUNT,
   **FAULTS,
 }

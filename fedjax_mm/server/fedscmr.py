@@ -20,16 +20,22 @@ with ``n^k`` the client's samples, ``c^k`` its number of label categories,
 ``l^k_t`` its local loss and ``v^k_t`` its retrieval mAP in round ``t``.
 ``gamma = 0`` removes the mAP term (the paper's ablation FedSCMR-Phi).
 
-FedCMR (Zong et al., 2021) weighs clients by their data, sample count times
-label share, plus a term in their loss (the FedSCMR paper's Section 2.2 and
-eq. 10's origin). The FedSCMR paper does not restate FedCMR's formula; we take
+FedCMR (Zong et al., 2021) is the FedSCMR paper's strongest baseline and the
+origin of eq. (10). Its paper gives no formula; its authors' code
+(github.com/hasakiXie123/FedCMR, ``utils.parameterCooperation`` and
+``utils.calc``, called from ``train.py``) aggregates the common linear layer with
 
 .. math::
-  \lambda^k_{FedCMR} = \frac12\left(\frac{\Omega^k}{\sum_j \Omega^j}
-                                  + \frac{\Psi^k}{\sum_j \Psi^j}\right),
+  \lambda^k_{FedCMR} = \operatorname{softmax}_k\left(
+      \frac{n^k c^k}{\sum_j n^j c^j}
+      + 100\, e^{-\exp\left(L^k / \frac1K\sum_j L^j\right)}\right),
 
-the normalised data share plus the normalised loss term, averaged so the
-weights sum to 1 (:func:`fedcmr_weights`).
+with ``L^k`` the client's loss *summed* over the round's local steps
+(:func:`fedcmr_weights`), and then moves every client back along its own
+update, ``W^k <- W - 0.5 (W^k - W^k_start)`` (:func:`fedcmr_correction`).
+The data term is at most 1 while the loss term spans up to ``100 / e``, so the
+loss decides: the client with the smallest summed loss (often the one with the
+fewest steps) gets most of the weight.
 
 Every function takes ``[K]`` arrays and an optional ``where`` ``bool [K]``
 mask of the clients that take part (padding clients, non-participants): they
@@ -38,13 +44,17 @@ get weight 0 and enter no sum or mean.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+PyTree = Any
 
 __all__ = [
   "data_share",
+  "fedcmr_correction",
   "fedcmr_weights",
   "fedscmr_weights",
   "loss_term",
@@ -179,23 +189,75 @@ def fedscmr_weights(
 def fedcmr_weights(
   num_samples: Array, num_categories: Array, losses: Array, *, where: Array | None = None
 ) -> Array:
-  r"""FedCMR-style weights: mean of the normalised data share and loss term.
+  r"""FedCMR's aggregation weights, as its authors' code computes them.
+
+  ``softmax_k( n^k c^k / sum_j n^j c^j + 100 exp(-exp(L^k / mean_j L^j)) )``
+  over the participating clients; source: ``parameterCooperation`` in
+  ``utils.py`` of github.com/hasakiXie123/FedCMR (the ``weights`` it receives
+  are ``n^k c^k / sum_j c^j``, built in ``main.py``, which it renormalises to
+  ``n^k c^k / sum_j n^j c^j``; its ``loss`` is each client's loss summed over
+  the round's local steps, ``train.py``).
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> print(fedcmr_weights(jnp.array([1, 3]), jnp.array([2, 2]), jnp.array([1.0, 1.0])))
-    [0.375 0.625]
+    >>> w = fedcmr_weights(jnp.array([1, 3]), jnp.array([2, 2]), jnp.array([1.0, 1.0]))
+    >>> print(w)  # equal losses: softmax of the data shares (0.25, 0.75)
+    [0.37754068 0.62245935]
 
   Args:
     num_samples: ``[K]`` ``n^k``.
     num_categories: ``[K]`` ``c^k``.
-    losses: ``[K]`` local losses.
+    losses: ``[K]`` local losses ``L^k``, summed over the round's local steps
+      (positive).
     where: optional ``bool [K]`` participating clients.
 
   Returns:
     ``float32 [K]`` weights summing to 1 over ``where``, 0 elsewhere.
   """
   valid = _valid(num_samples, where)
-  omega = _share(data_share(num_samples, num_categories, where=valid), valid)
-  psi = _share(loss_term(losses, where=valid), valid)
-  return 0.5 * (omega + psi)
+  n = jnp.asarray(num_samples, jnp.float32) * jnp.asarray(num_categories, jnp.float32)
+  share = _share(n, valid)
+  losses = jnp.asarray(losses, jnp.float32)
+  count = jnp.maximum(jnp.sum(valid), 1)
+  mean = jnp.sum(jnp.where(valid, losses, 0.0)) / count
+  ratio = losses / jnp.where(mean > 0, mean, 1.0)
+  score = share + 100.0 * jnp.exp(-jnp.exp(ratio))
+  score = jnp.where(valid, score, -jnp.inf)
+  return jnp.where(valid, jax.nn.softmax(score), 0.0)
+
+
+def fedcmr_correction(
+  aggregated: PyTree,
+  trained: PyTree,
+  start: PyTree,
+  *,
+  scale: float = 0.5,
+  where: Array | None = None,
+) -> PyTree:
+  r"""FedCMR's post-aggregation step: ``W^k <- W - scale * (W^k - W^k_start)``.
+
+  After the server's aggregate ``W`` arrives, each client steps back from it
+  by ``scale`` times its own update of the round (``calc`` in ``utils.py`` of
+  github.com/hasakiXie123/FedCMR, with ``beta = -0.5``). Applied leaf by leaf
+  to whatever pytrees it is given (the caller passes the federated layer).
+
+  Args:
+    aggregated: ``[K, ...]`` leaves, the aggregate each client received.
+    trained: ``[K, ...]`` leaves, each client's own parameters after local
+      training (its honest values, whatever it sent).
+    start: ``[K, ...]`` leaves, its parameters at the start of the round.
+    scale: keyword-only step back (FedCMR: 0.5).
+    where: optional ``bool [K]``: clients that received the aggregate; the
+      others keep ``aggregated`` unchanged.
+
+  Returns:
+    pytree like ``aggregated``.
+  """
+
+  def one(w, t, s):
+    out = w - jnp.asarray(scale, w.dtype) * (t - s)
+    if where is None:
+      return out
+    return jnp.where(jnp.reshape(where, (-1,) + (1,) * (w.ndim - 1)), out, w)
+
+  return jax.tree.map(one, aggregated, trained, start)
