@@ -91,7 +91,7 @@ def get_config(arg=None):
       "num_selected": 5,  # clients per round (the reference: 10 of 35)
       "batch_size": 16,  # B over the public set
       "server_temperature": 0.1,  # retrieval InfoNCE (server, multimodal clients)
-      "lcr_weight": 0.5,  # gamma of eq. (3)
+      "lcr_weight": 0.5,  # gamma of eq. (3), as the reference's --interintra_weight 0.5
       "inter_temperature": 0.5,  # eq. (1), as the reference
       "intra_temperature": 0.5,  # eq. (2)
       "gca_temperature": 1.0,  # eq. (4) as printed
@@ -101,6 +101,9 @@ def get_config(arg=None):
       "muscle_tau_full": 0.2,
       "muscle_tau_reduced": 0.15,
       "gca_chunk_size": ml_collections.FieldReference(None, field_type=int),
+      # Public samples per local step of eq. (3); None: ceil(P / private steps per epoch),
+      # so that a local epoch draws about P of them, as the reference's regulariser epoch.
+      "public_batch_size": ml_collections.FieldReference(None, field_type=int),
     }
   )
 

@@ -13,6 +13,8 @@ from fedjax_mm.algorithms import creamfl
 
 D = 8
 NUM_PUBLIC = 4
+# Public samples per local step: ceil(P / S) with S = 1 private step (4 samples, batches of 4).
+B_PUBLIC = 4
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_intra_modal_negative_is_the_start_of_round_model(setup):
   def by_hand(negative_params):
     def one(params, opt, rng, arrays, sample_mask, neg):
       objective = creamfl.local_objective(
-        client, state.shared, neg, public, global_reps, config, var
+        client, state.shared, neg, public, global_reps, config, var, B_PUBLIC
       )
       return core.local_update(
         objective,
@@ -195,7 +197,7 @@ def test_doubling_gamma_doubles_the_regularisers_gradient(setup, regulariser):
   def grad(gamma):
     config = dataclasses.replace(_config(), lcr_weight=gamma)
     objective = creamfl.local_objective(
-      client, state.shared, start, public, global_reps, config, var
+      client, state.shared, start, public, global_reps, config, var, B_PUBLIC
     )
     return jax.jit(jax.grad(lambda p: objective(p, batch, mask, key)[0]))(params)
 
@@ -206,7 +208,7 @@ def test_doubling_gamma_doubles_the_regularisers_gradient(setup, regulariser):
     lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-4, atol=1e-7), part2, part1
   )
   # The regulariser's own gradient on the step's public minibatch, computed apart.
-  index = creamfl.public_batch(key, NUM_PUBLIC, _config().batch_size)
+  index = creamfl.public_batch(key, NUM_PUBLIC, B_PUBLIC)
   regulariser = creamfl.regulariser_objective(
     client, state.shared, start, public, global_reps, _config(), var
   )
@@ -217,6 +219,17 @@ def test_doubling_gamma_doubles_the_regularisers_gradient(setup, regulariser):
     lambda a, b: np.testing.assert_allclose(a, 0.3 * b, rtol=1e-4, atol=1e-6), part1, reg_grad
   )
   assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(part1)) > 1e-4
+
+
+def test_public_batch_size_draws_about_the_public_set_per_epoch():
+  auto = creamfl.CreamConfig()
+  assert creamfl.public_batch_size(auto, 384, 4) == 96  # 4 steps x 96 = P
+  assert creamfl.public_batch_size(auto, 384, 5) == 77  # ceil(384 / 5)
+  assert creamfl.public_batch_size(auto, 384, 1000) == 1
+  assert creamfl.public_batch_size(auto, 4, 1) == 4
+  fixed = creamfl.CreamConfig(public_batch_size=16)
+  assert creamfl.public_batch_size(fixed, 384, 4) == 16
+  assert creamfl.public_batch_size(fixed, 8, 4) == 8
 
 
 def test_public_batch_is_distinct_in_range_and_keyed():

@@ -24,6 +24,7 @@ from fedjax_mm.runner.workdir import WorkdirError
     ("test.sizes", (3, 3), "test.sizes must be distinct sizes >= 2"),
     ("test.private_size", 1, "test.private_size must be 0"),
     ("creamfl.inter_temperature", 0.0, "inter_temperature must be > 0"),
+    ("creamfl.public_batch_size", 9, "public_batch_size (9) must be between 1 and public.size (8)"),
   ],
 )
 def test_validate_rejects_bad_configs(key, value, message):

@@ -16,8 +16,8 @@ maps its modality to L2-normalised ``d``-dimensional representations. One round:
    ``[P, d]`` of the public set and sends them to the selected clients;
 4. each selected client trains ``E`` epochs on its **local objective**, eq.
    (3) (:func:`local_objective`): every local step adds to the loss of its
-   private minibatch ``gamma`` times the **regulariser** on a public minibatch
-   of ``B`` samples, the inter-modal contrast (eq. (1),
+   private minibatch ``gamma`` times the **regulariser** on a public minibatch,
+   the inter-modal contrast (eq. (1),
    :func:`fedjax_mm.losses.inter_modal_contrast`) plus the intra-modal
    contrast (eq. (2), :func:`fedjax_mm.losses.intra_modal_contrast`), whose
    negative is the client's own model at the START of the round;
@@ -50,9 +50,11 @@ adaptive optimisers (its multimodal clients' AdamP, our clients' AdamW) a
 separate pass normalises the step and ``gamma`` barely matters. With one
 objective, ``gamma = 0`` is exactly the private task alone and the
 regulariser's gradient in the objective is linear in ``gamma`` under any
-optimiser. The regulariser therefore runs in every one of the ``E`` epochs
-(one public minibatch per private step: ``E * ceil(n_k / b) * B`` public
-samples per round, rather than ``E * P`` in the reference).
+optimiser. The regulariser therefore runs in every one of the ``E`` epochs,
+one public minibatch per private step, and by default each minibatch holds
+``ceil(P / S)`` public samples (``S`` private steps per epoch), so that an
+epoch draws about ``P`` public samples, as the reference's regulariser epoch
+over the public set does (``CreamConfig.public_batch_size`` overrides it).
 
 **Temperatures.** Eqs. (1) and (2) are printed without a temperature; the
 reference divides both logits by 0.5 (``ClientTrainer.py``,
@@ -100,6 +102,7 @@ representation against the global ones, is more robust than the mean.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -242,8 +245,13 @@ class CreamConfig:
 
   Attributes:
     num_selected: clients taking part per round (``max(p C, 1)`` of Alg. 1).
-    batch_size: ``B``, public samples per step (server training,
-      distillation) and the public minibatch of each local step (eq. (3)).
+    batch_size: ``B``, public samples per step of the server (training,
+      distillation).
+    public_batch_size: public samples in each local step of a client (eq.
+      (3)'s regulariser). ``None``: ``ceil(P / S)`` with ``S`` the group's
+      private steps per epoch, so that one local epoch draws about ``P``
+      public samples, as many as the reference's regulariser epoch over the
+      whole public set (:func:`public_batch_size`).
     server_temperature: InfoNCE temperature of the server's retrieval loss
       (step 1) and of the multimodal clients' private task.
     lcr_weight: ``gamma`` of eq. (3), weight of the regulariser (LCR, or the
@@ -273,6 +281,7 @@ class CreamConfig:
   muscle_tau_full: float = 0.2
   muscle_tau_reduced: float = 0.15
   gca_chunk_size: int | None = None
+  public_batch_size: int | None = None
 
   @property
   def muscle_gamma(self) -> float:
@@ -520,6 +529,13 @@ def public_batch(key: Array, num_public: int, batch_size: int) -> Array:
   return jax.random.choice(key, num_public, (batch_size,), replace=False).astype(jnp.int32)
 
 
+def public_batch_size(config: CreamConfig, num_public: int, steps_per_epoch: int) -> int:
+  """``B_p``: ``config.public_batch_size``, or ``ceil(P / S)`` (about ``P`` public samples an epoch)."""
+  if config.public_batch_size is not None:
+    return min(config.public_batch_size, num_public)
+  return min(num_public, math.ceil(num_public / max(1, steps_per_epoch)))
+
+
 def local_objective(
   client: ClientGroup,
   shared: PyTree,
@@ -528,6 +544,7 @@ def local_objective(
   global_reps: dict[str, Array],
   config: CreamConfig,
   var: Variant,
+  b_public: int,
 ):
   r"""Eq. (3) for ONE client: its private loss plus ``gamma`` times the regulariser.
 
@@ -535,12 +552,12 @@ def local_objective(
 
   .. math::
     \mathcal{L}_{local} = \frac{1}{b} \sum_{k \in \text{private batch}} \ell(x_k, y_k)
-      + \gamma \cdot \frac{1}{B} \sum_{k \in \text{public batch}}
+      + \gamma \cdot \frac{1}{B_p} \sum_{k \in \text{public batch}}
         (\ell^{inter}_k + \ell^{intra}_k)
 
-  on the step's private minibatch and a public minibatch of ``B`` samples
-  drawn afresh (:func:`public_batch`), an unbiased estimate of eq. (3)'s
-  gradient, as Algorithm 1, line 17 takes it. The public batch is drawn
+  on the step's private minibatch and a public minibatch of ``B_p``
+  samples drawn afresh (:func:`public_batch`), an unbiased estimate of eq.
+  (3)'s gradient, as Algorithm 1, line 17 takes it. The public batch is drawn
   from a key folded out of the step's key, so the private loss sees exactly
   the keys it sees without a regulariser, and ``gamma = 0`` trains exactly as
   the private task alone. For variants without a regulariser (``reamFL``)
@@ -553,8 +570,9 @@ def local_objective(
       (2)'s negative).
     public: ``image [P, S, S, 3]`` and ``caption [P, C, L]``.
     global_reps: ``{modality: [P, d]}``, the server's global representations.
-    config: ``lcr_weight`` is ``gamma``; ``batch_size`` is ``B``.
+    config: ``lcr_weight`` is ``gamma``.
     var: the variant (which regulariser terms run).
+    b_public: ``B_p``, public samples per step (static; :func:`public_batch_size`).
 
   Returns:
     An objective ``(params, batch, mask, key) -> (loss, aux)`` for
@@ -571,7 +589,7 @@ def local_objective(
     loss, aux = private(params, batch, mask, key)
 
     def regularise(_):
-      index = public_batch(key, num_public, config.batch_size)
+      index = public_batch(key, num_public, b_public)
       value, _ = regulariser(params, {"index": index}, jnp.ones(index.shape, bool), key)
       return jnp.asarray(value, jnp.float32)
 
@@ -681,8 +699,8 @@ def client_update(
 
   Each client runs :func:`fedjax_mm.core.local_update` of its
   :func:`local_objective` (private minibatch + ``gamma`` x regulariser on a
-  public minibatch, every step), whose intra-modal negative is the client's
-  model at the START of this call. Clients with ``active = False`` take no
+  public minibatch of :func:`public_batch_size`, every step), whose
+  intra-modal negative is the client's model at the START of this call. Clients with ``active = False`` take no
   step; ``max_steps [K]`` (stragglers) caps the local steps, regulariser
   included (it rides on them).
 
@@ -692,9 +710,13 @@ def client_update(
   """
   group = client.group
   mask = data.sample_mask & active[:, None]
+  steps_per_epoch = math.ceil(data.sample_mask.shape[1] / group.batch_size)
+  b_public = public_batch_size(config, public["image"].shape[0], steps_per_epoch)
 
   def one(params, opt_state, rng, arrays, sample_mask, budget):
-    objective = local_objective(client, state.shared, params, public, global_reps, config, var)
+    objective = local_objective(
+      client, state.shared, params, public, global_reps, config, var, b_public
+    )
     return local_update(
       objective,
       group.tx,

@@ -149,6 +149,10 @@ def validate(config) -> None:
   for key in ("server_temperature", "inter_temperature", "intra_temperature", "gca_temperature"):
     if not c[key] > 0:
       raise ConfigError(f"creamfl.{key} must be > 0, got {c[key]}.")
+  if c.public_batch_size is not None and not 1 <= c.public_batch_size <= config.public.size:
+    raise ConfigError(
+      f"creamfl.public_batch_size ({c.public_batch_size}) must be between 1 and public.size ({config.public.size})."
+    )
   if c.gca_chunk_size is not None and c.gca_chunk_size < 1:
     raise ConfigError(f"creamfl.gca_chunk_size must be positive, got {c.gca_chunk_size}.")
   if "CreamFL+Muscle" in config.methods:

@@ -187,6 +187,7 @@ CREAMFL: dict[str, Range] = {
   "creamfl.muscle_tau_full": POSITIVE,
   "creamfl.muscle_tau_reduced": POSITIVE,
   "creamfl.gca_chunk_size": COUNT,
+  "creamfl.public_batch_size": COUNT,
   **FAULTS,
 }
 
