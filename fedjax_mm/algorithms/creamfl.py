@@ -837,7 +837,7 @@ def creamfl(
       m: public_representations(server_model, m, public, config.batch_size) for m in MODALITIES
     }
 
-    # 4-5. Local training, regulariser, local representations of the public set.
+    # 4-5. Local training on eq. (3), local representations of the public set.
     new_groups, local = [], {m: [] for m in MODALITIES}
     meta = {m: {"present": [], "counts": [], "multimodal": []} for m in MODALITIES}
     client_losses, offset = [], 0
@@ -854,10 +854,10 @@ def creamfl(
         sent = act & ~masks.dropped[offset : offset + k]
         byzantine = masks.byzantine[offset : offset + k]
         offset += k
-      cstate, private_loss = client_update(
+      cstate, local_loss = client_update(
         client, cstate, d, act, public, global_reps, var, config, max_steps=budget
       )
-      client_losses.append(private_loss)
+      client_losses.append(local_loss)
       new_groups.append(cstate)
 
       def reps(params, shared=cstate.shared, client=client):
