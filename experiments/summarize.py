@@ -13,9 +13,13 @@ deviation. A key may index into a list (``fedmuscle.0``: user 1's metric).
 Values are multiplied by ``--scale`` (100 turns fractions into percentages).
 
 ``--format=fedscmr`` prints FedSCMR's ranking and its paper-style Tables 1-4
-instead, and ``--format=creamfl`` CreamFL's Recall@K table, each cell the mean
-± std over the runs (:func:`fedjax_mm.runner.fedscmr.summarize`,
-:func:`fedjax_mm.runner.creamfl.summarize`).
+instead, and ``--format=creamfl`` CreamFL's Table 1 (R@1_sum over the 1K and
+5K tests of the public distribution, then one Recall@K table per test size,
+each with its chance row), each cell the mean ± std over the runs
+(:func:`fedjax_mm.runner.fedscmr.summarize`,
+:func:`fedjax_mm.runner.creamfl.summarize`). A CreamFL sweep (runs that differ
+in one config key, e.g. ``creamfl.lcr_weight``) reads well in the generic
+format: ``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """CreamFL's client step: the intra-modal negative is the start-of-round model; objectives."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from fedjax_mm.algorithms import creamfl
 
 D = 8
 NUM_PUBLIC = 4
+# Public samples per local step: ceil(P / S) with S = 1 private step (4 samples, batches of 4).
+B_PUBLIC = 4
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +57,36 @@ def _config():
   return creamfl.CreamConfig(batch_size=2, lcr_weight=1.0, num_selected=2)
 
 
+def _assert_trees(assert_fn, a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert_fn(np.asarray(x), np.asarray(y))
+
+
+def _update(client, state, client_data, active, public, global_reps, var, config):
+  return jax.jit(creamfl.client_update, static_argnums=(0, 7))(
+    client, state, client_data, active, public, global_reps, var, config
+  )
+
+
 def test_intra_modal_negative_is_the_start_of_round_model(setup):
   client, state, client_data, public, global_reps = setup
   config = _config()
   var = creamfl.variant("gca", "lcr", inter=False)  # intra only: the negative matters
   active = jnp.array([True, True])
-  new, _ = jax.jit(creamfl.client_update, static_argnums=(0, 7))(
-    client, state, client_data, active, public, global_reps, var, config
-  )
+  new, _ = _update(client, state, client_data, active, public, global_reps, var, config)
 
-  # The same steps by hand: private epochs, then the public pass with a chosen negative.
+  # The same steps by hand: E epochs of eq. (3) with a chosen negative.
   private, _ = core.train_group(client.group, state, client_data, active=active)
   moved = max(
     float(np.max(np.abs(a - b)))
     for a, b in zip(jax.tree.leaves(private.params), jax.tree.leaves(state.params), strict=True)
   )
-  assert moved > 1e-3  # Private training moved the model: the two candidate negatives differ.
+  assert moved > 1e-3  # Local training moves the model: the two candidate negatives differ.
 
   def by_hand(negative_params):
-    def one(params, opt, rng, neg):
-      objective = creamfl.regulariser_objective(
-        client, private.shared, neg, public, global_reps, config, var
+    def one(params, opt, rng, arrays, sample_mask, neg):
+      objective = creamfl.local_objective(
+        client, state.shared, neg, public, global_reps, config, var, B_PUBLIC
       )
       return core.local_update(
         objective,
@@ -81,18 +94,25 @@ def test_intra_modal_negative_is_the_start_of_round_model(setup):
         params,
         opt,
         rng,
-        {"index": jnp.arange(NUM_PUBLIC)},
-        jnp.ones(NUM_PUBLIC, bool),
-        num_epochs=1,
-        batch_size=config.batch_size,
+        arrays,
+        sample_mask,
+        num_epochs=client.group.local_epochs,
+        batch_size=client.group.batch_size,
       )[0]
 
-    return jax.jit(jax.vmap(one))(private.params, private.opt_state, private.rng, negative_params)
+    return jax.jit(jax.vmap(one))(
+      state.params,
+      state.opt_state,
+      state.rng,
+      client_data.arrays,
+      client_data.sample_mask,
+      negative_params,
+    )
 
   start_of_round = by_hand(state.params)
   after_private = by_hand(private.params)
-  for got, want in zip(jax.tree.leaves(new.params), jax.tree.leaves(start_of_round), strict=True):
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  _assert_trees(close, new.params, start_of_round)
   differs = [
     not np.allclose(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(after_private), strict=True)
@@ -100,12 +120,10 @@ def test_intra_modal_negative_is_the_start_of_round_model(setup):
   assert any(differs)
 
 
-def test_inactive_clients_and_reamfl_rows_take_no_public_step(setup):
+def test_inactive_clients_take_no_step(setup):
   client, state, client_data, public, global_reps = setup
-  config = _config()
-  update = jax.jit(creamfl.client_update, static_argnums=(0, 7))
   # Client 1 is not selected: it keeps its parameters exactly.
-  new, _ = update(
+  new, _ = _update(
     client,
     state,
     client_data,
@@ -113,27 +131,114 @@ def test_inactive_clients_and_reamfl_rows_take_no_public_step(setup):
     public,
     global_reps,
     creamfl.variant("gca", "lcr"),
-    config,
+    _config(),
   )
   moved = []
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True):
     np.testing.assert_array_equal(a[1], b[1])
     moved.append(not np.array_equal(a[0], b[0]))
   assert any(moved)  # ... while the selected client 0 trained.
-  # reamFL (no regulariser) == private training alone.
-  new, _ = update(
+
+
+def test_gamma_zero_is_exactly_training_without_the_regulariser(setup):
+  """gamma = 0 (CreamFL's row), no regulariser (reamFL rows) and the private task alone agree."""
+  client, state, client_data, public, global_reps = setup
+  active = jnp.array([True, True])
+  zero = dataclasses.replace(_config(), lcr_weight=0.0)
+  cream, _ = _update(
+    client, state, client_data, active, public, global_reps, creamfl.variant("gca", "lcr"), zero
+  )
+  ream, _ = _update(
     client,
     state,
     client_data,
-    jnp.array([True, True]),
+    active,
     public,
     global_reps,
-    creamfl.variant("mean", "none"),
-    config,
+    creamfl.variant("gca", "none"),
+    _config(),
   )
-  private, _ = core.train_group(client.group, state, client_data, active=jnp.array([True, True]))
-  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(private.params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  private, _ = jax.jit(core.train_group, static_argnums=0)(
+    client.group, state, client_data, active=active
+  )
+  _assert_trees(np.testing.assert_array_equal, cream.params, ream.params)
+  _assert_trees(np.testing.assert_array_equal, cream.params, private.params)
+  _assert_trees(np.testing.assert_array_equal, cream.opt_state, private.opt_state)
+  # ... while gamma > 0 trains something else.
+  regularised, _ = _update(
+    client,
+    state,
+    client_data,
+    active,
+    public,
+    global_reps,
+    creamfl.variant("gca", "lcr"),
+    _config(),
+  )
+  assert not all(
+    np.array_equal(a, b)
+    for a, b in zip(
+      jax.tree.leaves(regularised.params), jax.tree.leaves(private.params), strict=True
+    )
+  )
+
+
+@pytest.mark.parametrize("regulariser", ["lcr", "muscle"])
+def test_doubling_gamma_doubles_the_regularisers_gradient(setup, regulariser):
+  """grad eq.(3)(gamma) - grad eq.(3)(0) = gamma * grad regulariser, on the step's public batch."""
+  client, state, client_data, public, global_reps = setup
+  var = creamfl.variant("gca", regulariser, server="distill")
+  params = jax.tree.map(lambda x: x[0], state.params)
+  start = jax.tree.map(lambda x: x[1], state.params)
+  batch = {k: v[0, :4] for k, v in client_data.arrays.items()}
+  mask = client_data.sample_mask[0, :4]
+  key = jax.random.key(7)
+
+  def grad(gamma):
+    config = dataclasses.replace(_config(), lcr_weight=gamma)
+    objective = creamfl.local_objective(
+      client, state.shared, start, public, global_reps, config, var, B_PUBLIC
+    )
+    return jax.jit(jax.grad(lambda p: objective(p, batch, mask, key)[0]))(params)
+
+  g0, g1, g2 = grad(0.0), grad(0.3), grad(0.6)
+  part1 = jax.tree.map(lambda a, b: a - b, g1, g0)
+  part2 = jax.tree.map(lambda a, b: a - b, g2, g0)
+  _assert_trees(
+    lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-4, atol=1e-7), part2, part1
+  )
+  # The regulariser's own gradient on the step's public minibatch, computed apart.
+  index = creamfl.public_batch(key, NUM_PUBLIC, B_PUBLIC)
+  regulariser = creamfl.regulariser_objective(
+    client, state.shared, start, public, global_reps, _config(), var
+  )
+  reg_grad = jax.grad(
+    lambda p: regulariser(p, {"index": index}, jnp.ones(index.shape, bool), key)[0]
+  )(params)
+  _assert_trees(
+    lambda a, b: np.testing.assert_allclose(a, 0.3 * b, rtol=1e-4, atol=1e-6), part1, reg_grad
+  )
+  assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(part1)) > 1e-4
+
+
+def test_public_batch_size_draws_about_the_public_set_per_epoch():
+  auto = creamfl.CreamConfig()
+  assert creamfl.public_batch_size(auto, 384, 4) == 96  # 4 steps x 96 = P
+  assert creamfl.public_batch_size(auto, 384, 5) == 77  # ceil(384 / 5)
+  assert creamfl.public_batch_size(auto, 384, 1000) == 1
+  assert creamfl.public_batch_size(auto, 4, 1) == 4
+  fixed = creamfl.CreamConfig(public_batch_size=16)
+  assert creamfl.public_batch_size(fixed, 384, 4) == 16
+  assert creamfl.public_batch_size(fixed, 8, 4) == 8
+
+
+def test_public_batch_is_distinct_in_range_and_keyed():
+  a = np.asarray(creamfl.public_batch(jax.random.key(0), 10, 6))
+  assert a.dtype == np.int32 and len(set(a.tolist())) == 6 and a.min() >= 0 and a.max() < 10
+  b = np.asarray(creamfl.public_batch(jax.random.key(1), 10, 6))
+  assert not np.array_equal(a, b)
+  full = np.sort(np.asarray(creamfl.public_batch(jax.random.key(2), 8, 8)))
+  np.testing.assert_array_equal(full, np.arange(8))
 
 
 def test_regulariser_objective_terms(setup):

@@ -1,8 +1,10 @@
 """The CreamFL command end to end: smoke run, resume, refusal, one-line config errors."""
 
+import itertools
 import json
 
 import experiment_main
+import numpy as np
 import pytest
 
 from experiments import creamfl as creamfl_config
@@ -18,8 +20,11 @@ from fedjax_mm.runner.workdir import WorkdirError
     ("creamfl.muscle_partners", 4, "muscle_partners (M=4)"),
     ("creamfl.muscle_tau_reduced", 0.3, "gamma > 0"),
     ("public.size", 10, "multiple of creamfl.batch_size"),
-    ("test.folds", 4, "must divide test.size"),
+    ("test.sizes", (4, 6), "every size must divide the largest (6)"),
+    ("test.sizes", (3, 3), "test.sizes must be distinct sizes >= 2"),
+    ("test.private_size", 1, "test.private_size must be 0"),
     ("creamfl.inter_temperature", 0.0, "inter_temperature must be > 0"),
+    ("creamfl.public_batch_size", 9, "public_batch_size (9) must be between 1 and public.size (8)"),
   ],
 )
 def test_validate_rejects_bad_configs(key, value, message):
@@ -59,15 +64,32 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   workdir = tmp_path / "run"
   result = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
-  assert "| CreamFL+Muscle" in out and "| local" in out and "R@1_sum" in out
+  assert "| CreamFL+Muscle" in out and "| local" in out and "R@1_sum" in out and "3 test:" in out
   for name in ("config.json", "metrics.jsonl", "report.md", "curves.png", "results.json"):
     assert (workdir / name).exists(), name
   stored = json.loads((workdir / "results.json").read_text())
   assert set(stored["recall"]) == set(runner.METHODS)
-  for recall in stored["recall"].values():
-    assert set(recall) == set(runner.RECALL_KEYS)
-    assert all(0.0 <= v <= 100.0 for v in recall.values())
-    assert recall["i2t_R@1"] <= recall["i2t_R@5"] <= recall["i2t_R@10"]
+  # The paper's protocol: tests on the public distribution, one per size, named by its size.
+  protocol = stored["protocol"]
+  assert protocol["test_sizes"] == [3, 6] and protocol["folds"] == {"3": 2, "6": 1}
+  assert protocol["shift"] == config.public.shift == 1.0
+  assert protocol["r1_sum"] == "i2t_R@1(3) + t2i_R@1(3) + i2t_R@1(6) + t2i_R@1(6)"
+  for m, recall in stored["recall"].items():
+    assert set(recall) == {"3", "6"}
+    for table in (*recall.values(), stored["private_recall"][m]):
+      assert set(table) == set(runner.RECALL_KEYS)
+      assert all(0.0 <= v <= 100.0 for v in table.values())
+      assert table["i2t_R@1"] <= table["i2t_R@5"] <= table["i2t_R@10"]
+    # R@1_sum is the sum of its 4 parts: i2t and t2i R@1 on both test sizes.
+    parts = [recall[n][k] for n in ("3", "6") for k in ("i2t_R@1", "t2i_R@1")]
+    assert stored["r1_sum"][m] == pytest.approx(sum(parts), abs=1e-9)
+    assert stored["rsum"][m] == pytest.approx(
+      sum(v for table in recall.values() for v in table.values()), abs=1e-9
+    )
+  assert stored["chance"]["3"]["t2i_R@1"] == pytest.approx(100 / 3)
+  assert stored["chance"]["private"]["t2i_R@1"] == pytest.approx(100 / 4)
+  report = (workdir / "report.md").read_text()
+  assert "chance (random ranking)" in report and "Private distribution (shift 0" in report
   # Bytes: the server alone sends nothing; every selected client receives I_glob and T_glob.
   assert stored["traffic"]["local"] == {"up_per_round": 0.0, "down_per_round": 0.0}
   matrix = config.public.size * config.rep_dim * 4
@@ -93,3 +115,39 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   config.rounds += 1
   with pytest.raises(WorkdirError, match="rounds"):
     runner.run(config, workdir, progress=False)
+
+
+def test_r1_sum_is_the_sum_of_the_four_r1_values():
+  """CreamFL's R@1_sum: i2t + t2i R@1 on the 1K and on the 5K test (132.88 for CreamFL)."""
+  recall = {
+    "1K": dict.fromkeys(runner.RECALL_KEYS, 50.0) | {"i2t_R@1": 49.66, "t2i_R@1": 38.94},
+    "5K": dict.fromkeys(runner.RECALL_KEYS, 50.0) | {"i2t_R@1": 25.33, "t2i_R@1": 18.95},
+  }
+  assert runner.r1_sum(recall, (1000, 5000)) == pytest.approx(49.66 + 38.94 + 25.33 + 18.95)
+  assert runner.r1_sum(recall, (1000,)) == pytest.approx(49.66 + 38.94)
+  assert runner.rsum(recall, (1000, 5000)) == pytest.approx(
+    sum(sum(t.values()) for t in recall.values())
+  )
+  assert [runner.size_label(n) for n in (1000, 5000, 250)] == ["1K", "5K", "250"]
+
+
+@pytest.mark.parametrize("num_images,captions", [(3, 2), (4, 1), (2, 3)])
+def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
+  """Against enumeration of every ranking of the candidates (all equally likely)."""
+  ks = (1, 2, 5)
+  got = runner.chance_recall(num_images, captions, ks)
+  # i2t: image 0's C correct captions among C N candidates.
+  candidates = num_images * captions
+  rankings = list(itertools.permutations(range(candidates)))
+  for k in ks:
+    found = [any(c < captions for c in order[:k]) for order in rankings]
+    assert got[f"i2t_R@{k}"] == pytest.approx(100 * np.mean(found))
+    # t2i: a caption's one correct image among N.
+    found = [0 in order[:k] for order in itertools.permutations(range(num_images))]
+    assert got[f"t2i_R@{k}"] == pytest.approx(100 * np.mean(found))
+
+
+def test_summarize_refuses_results_of_the_old_protocol(tmp_path):
+  (tmp_path / "results.json").write_text(json.dumps({"recall": {}, "r1_sum": {}, "seed": 0}))
+  with pytest.raises(ValueError, match="predates the public-distribution 1K/5K protocol"):
+    runner.summarize([tmp_path])

@@ -7,20 +7,20 @@ Three client groups share nothing but a public set of ``P`` image-caption pairs:
 image-only clients (image classification), text-only clients (caption
 classification) and multimodal clients (image-text retrieval), each with a
 small encoder. The server's image and text encoders are larger. Every model
-maps its modality to L2-normalised ``d``-dimensional representations. One round,
-in the reference implementation's order:
+maps its modality to L2-normalised ``d``-dimensional representations. One round:
 
 1. **server training**: the server trains one epoch on the public set with its
    retrieval loss (symmetric InfoNCE; the reference uses PCME);
 2. a random fraction of the clients takes part (``num_selected`` of all);
 3. the server computes its **global representations** ``I_glob``, ``T_glob``
    ``[P, d]`` of the public set and sends them to the selected clients;
-4. each selected client trains ``E`` epochs on its **private task**, then one
-   pass over the public set with the **regulariser** weighted by ``gamma``
-   (eq. (3)): the inter-modal contrast (eq. (1),
-   :func:`fedjax_mm.losses.inter_modal_contrast`) and the intra-modal contrast
-   (eq. (2), :func:`fedjax_mm.losses.intra_modal_contrast`), whose negative is
-   the client's own model at the START of the round;
+4. each selected client trains ``E`` epochs on its **local objective**, eq.
+   (3) (:func:`local_objective`): every local step adds to the loss of its
+   private minibatch ``gamma`` times the **regulariser** on a public minibatch,
+   the inter-modal contrast (eq. (1),
+   :func:`fedjax_mm.losses.inter_modal_contrast`) plus the intra-modal
+   contrast (eq. (2), :func:`fedjax_mm.losses.intra_modal_contrast`), whose
+   negative is the client's own model at the START of the round;
 5. each selected client sends its **local representations** of the public
    set, in the modalities it has;
 6. the server **aggregates** them per modality: GCA (eqs. (4)-(6),
@@ -29,39 +29,80 @@ in the reference implementation's order:
    representations and the aggregated ones (eq. (7),
    :func:`fedjax_mm.losses.representation_distance`).
 
+**Where the round follows the authors' code, not Algorithm 1.** The reference
+implementation (FLAIR-THU/CreamFL, ``src/algorithms/MMFL.py``, ``MMFL.train``)
+trains the server on the public set FIRST and then computes the global
+representations with the trained server; Algorithm 1 computes ``I_glob``,
+``T_glob`` with ``w^t`` (line 3) and trains the server after the clients
+(line 11). Steps 1 and 3 above take the code's order, so the clients, GCA
+(eq. (4)) and the distillation all see the representations of the server
+after its public epoch. Everything else follows the paper.
+
+**Where the local step follows eq. (3), not the authors' code.** Algorithm 1,
+line 17, takes gradient steps on eq. (3), the private loss plus ``gamma``
+times the regulariser, so ``gamma`` sets the trade-off between the two
+gradients in every step; that is what step 4 does (option "one objective per
+local step"). The reference instead runs, after EACH private epoch, a separate
+epoch over the public set minimising ``gamma * (inter + intra)``
+(``ClientTrainer.tra``, ``MMClientTrainer.train_epoch``). Under its image and
+text clients' SGD (momentum 0.9) ``gamma`` scales that pass's steps; under
+adaptive optimisers (its multimodal clients' AdamP, our clients' AdamW) a
+separate pass normalises the step and ``gamma`` barely matters. With one
+objective, ``gamma = 0`` is exactly the private task alone and the
+regulariser's gradient in the objective is linear in ``gamma`` under any
+optimiser. The regulariser therefore runs in every one of the ``E`` epochs,
+one public minibatch per private step, and by default each minibatch holds
+``ceil(P / S)`` public samples (``S`` private steps per epoch), so that an
+epoch draws about ``P`` public samples, as the reference's regulariser epoch
+over the public set does (``CreamConfig.public_batch_size`` overrides it).
+
+**Temperatures.** Eqs. (1) and (2) are printed without a temperature; the
+reference divides both logits by 0.5 (``ClientTrainer.py``,
+``MMClientTrainer.py``: ``logits /= 0.5``, ``torch.div(..., 0.5)``), hence
+``inter_temperature = intra_temperature = 0.5``. GCA uses 1: eq. (4) as
+printed and the reference's ``con_w`` aggregation (``MMFL.distill``; note that
+its log-softmax keeps ``j = k`` in the denominator, which eq. (4) excludes;
+:mod:`fedjax_mm.server.gca` follows eq. (4)). The server's and the multimodal
+clients' retrieval InfoNCE temperature (0.1) is this library's choice: the
+reference trains both with PCME (``criterion: pcme`` in ``coco.yaml`` /
+``f30k.yaml``), whose learnt scale and shift have no InfoNCE counterpart.
+CreamFL + Muscle uses FedMuscle's ``tau^(M+1) = 0.2``, ``tau^(M) = 0.15``
+(FedMuscle, Implementation Details).
+
 **CreamFL + Muscle** (FedMuscle App. K) replaces step 4's regulariser with the
 Muscle loss of each local representation against the global representations of
-BOTH modalities (``M = 2``), and steps 6-7 with the Muscle loss of the server's
-representations (anchors, one per modality) against ``M`` local representation
-matrices drawn per batch among all those received (all of them would make the
-``B^(M+1)`` tensor intractable; FedMuscle draws partners the same way).
+BOTH modalities (``M = 2``, weighted by the same ``gamma``), and steps 6-7 with
+the Muscle loss of the server's representations (anchors, one per modality)
+against ``M`` local representation matrices drawn per batch among all those
+received (all of them would make the ``B^(M+1)`` tensor intractable; FedMuscle
+draws partners the same way).
 
 Which variant runs is a runtime :class:`Variant` (the aggregation rule, picked
 by ``jax.lax.switch``, and 0/1 weights of the regulariser terms and server
 losses), so every federated row of CreamFL's Tables 1 and 3 shares ONE compiled
-round; the clients' public pass sits under a ``jax.lax.cond`` and costs nothing
-for the reamFL rows. :func:`server_only` is the "local training"
+round; the regulariser sits under a ``jax.lax.cond`` in the local objective and
+costs nothing for the reamFL rows. :func:`server_only` is the "local training"
 row: step 1 alone.
 
 Clients of a group are stacked ``[K, ...]`` and trained in one ``jax.vmap`` of
-:func:`fedjax_mm.core.local_update` (private task via
-:func:`fedjax_mm.core.train_group`; the public-set regulariser pass likewise,
-with an objective that closes over the start-of-round parameters). Clients not
-selected are masked: they take no step and weigh 0 in every aggregate.
+:func:`fedjax_mm.core.local_update` over :func:`local_objective`, which closes
+over each client's start-of-round parameters. Clients not selected are masked:
+they take no step and weigh 0 in every aggregate.
 
 Client faults (:mod:`fedjax_mm.core.faults`, off by default), drawn per round
 among the selected clients: a **dropped** client trains but its local
 representations never arrive (it is absent from step 6's aggregation and from
 the server's Muscle partners); a **straggler** takes only its drawn share of
-private-task steps; a **Byzantine** client sends random unit vectors (or its
-representations scaled) for the public set — the attack against which CreamFL
-argues that GCA, which scores each local representation against the global
-ones, is more robust than the mean.
+local steps (the regulariser rides on them); a **Byzantine** client sends
+random unit vectors (or its representations scaled) for the public set — the
+attack against which CreamFL argues that GCA, which scores each local
+representation against the global ones, is more robust than the mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,7 +122,6 @@ from fedjax_mm.core.client import (
   finite_per_client,
   local_update,
   supervised_objective,
-  train_group,
 )
 from fedjax_mm.core.sharding import replicate
 from fedjax_mm.core.tasks import masked_mean
@@ -205,11 +245,18 @@ class CreamConfig:
 
   Attributes:
     num_selected: clients taking part per round (``max(p C, 1)`` of Alg. 1).
-    batch_size: ``B``, public samples per step (server training, regulariser,
+    batch_size: ``B``, public samples per step of the server (training,
       distillation).
+    public_batch_size: public samples in each local step of a client (eq.
+      (3)'s regulariser). ``None``: ``ceil(P / S)`` with ``S`` the group's
+      private steps per epoch, so that one local epoch draws about ``P``
+      public samples, as many as the reference's regulariser epoch over the
+      whole public set (:func:`public_batch_size`).
     server_temperature: InfoNCE temperature of the server's retrieval loss
       (step 1) and of the multimodal clients' private task.
-    lcr_weight: ``gamma`` of eq. (3), weight of the regulariser.
+    lcr_weight: ``gamma`` of eq. (3), weight of the regulariser (LCR, or the
+      clients' Muscle loss) in every local step (0.5 in the reference's
+      README command, ``--interintra_weight 0.5``).
     inter_temperature: temperature of eq. (1) (0.5 in the reference).
     intra_temperature: temperature of eq. (2).
     gca_temperature: temperature of eq. (4) (1 is the paper's equation).
@@ -234,6 +281,7 @@ class CreamConfig:
   muscle_tau_full: float = 0.2
   muscle_tau_reduced: float = 0.15
   gca_chunk_size: int | None = None
+  public_batch_size: int | None = None
 
   @property
   def muscle_gamma(self) -> float:
@@ -262,7 +310,7 @@ class Variant:
 
   @property
   def regularised(self) -> Array:
-    """Whether the clients make a regulariser pass over the public set (step 4)."""
+    """Whether the clients' local objective has a public-set regulariser (step 4)."""
     return (self.inter + self.intra + self.client_muscle) > 0
 
 
@@ -395,7 +443,7 @@ def public_representations(
 
 
 def _private_objective(client: ClientGroup):
-  """Builds the private-task objective of a group for :func:`train_group`."""
+  """Builds the private-task objective of a group (``(group, shared) -> objective``)."""
   group = client.group
   if not client.multimodal:
     return supervised_objective
@@ -419,14 +467,15 @@ def regulariser_objective(
   config: CreamConfig,
   var: Variant,
 ):
-  """Step 4's public-set objective for ONE client, over a batch of public indices.
+  """The regulariser of eq. (3) for ONE client, over a batch of public indices (no ``gamma``).
 
-  ``gamma * sum_m [inter * mean eq.(1) + intra * mean eq.(2) + client_muscle *
-  mean Muscle]`` over the client's modalities ``m``: LCR (eq. (3)) or, for
-  CreamFL + Muscle, the Muscle loss of the local representation against the
-  global representations of both modalities (``M = 2``). The intra-modal
-  negative is the representation by ``start_params``, the client's parameters
-  at the START of the round (before its private training).
+  ``sum_m [inter * mean eq.(1) + intra * mean eq.(2) + client_muscle * mean
+  Muscle]`` over the client's modalities ``m``: LCR or, for CreamFL + Muscle,
+  the Muscle loss of the local representation against the global
+  representations of both modalities (``M = 2``). The intra-modal negative is
+  the representation by ``start_params``, the client's parameters at the START
+  of the round (its model "of the last round", eq. (2)); it is a constant.
+  :func:`local_objective` weighs this by ``gamma``.
   """
   group = client.group
   previous_model = group.merge(start_params, shared)
@@ -447,7 +496,7 @@ def regulariser_objective(
       l_intra = losses.intra_modal_contrast(
         z, global_reps[m][index], previous, temperature=config.intra_temperature, where=mask
       )
-      # Public passes have no padding rows (P is a multiple of B); mask is all-or-nothing.
+      # Public batches have no padding rows; mask is all-or-nothing.
       l_muscle = losses.muscle_loss(
         z, others, tau=config.muscle_tau_full, gamma=config.muscle_gamma
       )
@@ -460,7 +509,92 @@ def regulariser_objective(
         + var.intra * aux[f"intra_{m}"]
         + var.client_muscle * aux[f"muscle_{m}"]
       )
-    return config.lcr_weight * total, aux
+    return total, aux
+
+  return objective
+
+
+#: Folded into a local step's key to draw its public minibatch (the private loss keeps the key).
+_PUBLIC_STREAM = 0x9B11C
+
+
+def public_batch(key: Array, num_public: int, batch_size: int) -> Array:
+  """``int32 [B]`` distinct public indices drawn uniformly: the public minibatch of a local step.
+
+  ``key`` is the step's key (the one its private loss receives); the draw uses
+  a key folded out of it, so the private loss's own random draws are the same
+  with and without a regulariser.
+  """
+  key = jax.random.fold_in(key, _PUBLIC_STREAM)
+  return jax.random.choice(key, num_public, (batch_size,), replace=False).astype(jnp.int32)
+
+
+def public_batch_size(config: CreamConfig, num_public: int, steps_per_epoch: int) -> int:
+  """``B_p``: ``config.public_batch_size``, or ``ceil(P / S)`` (about ``P`` public samples an epoch)."""
+  if config.public_batch_size is not None:
+    return min(config.public_batch_size, num_public)
+  return min(num_public, math.ceil(num_public / max(1, steps_per_epoch)))
+
+
+def local_objective(
+  client: ClientGroup,
+  shared: PyTree,
+  start_params: PyTree,
+  public: dict[str, Array],
+  global_reps: dict[str, Array],
+  config: CreamConfig,
+  var: Variant,
+  b_public: int,
+):
+  r"""Eq. (3) for ONE client: its private loss plus ``gamma`` times the regulariser.
+
+  One local step minimises
+
+  .. math::
+    \mathcal{L}_{local} = \frac{1}{b} \sum_{k \in \text{private batch}} \ell(x_k, y_k)
+      + \gamma \cdot \frac{1}{B_p} \sum_{k \in \text{public batch}}
+        (\ell^{inter}_k + \ell^{intra}_k)
+
+  on the step's private minibatch and a public minibatch of ``B_p``
+  samples drawn afresh (:func:`public_batch`), an unbiased estimate of eq.
+  (3)'s gradient, as Algorithm 1, line 17 takes it. The public batch is drawn
+  from a key folded out of the step's key, so the private loss sees exactly
+  the keys it sees without a regulariser, and ``gamma = 0`` trains exactly as
+  the private task alone. For variants without a regulariser (``reamFL``)
+  the public term sits under a ``jax.lax.cond`` and costs nothing.
+
+  Args:
+    client: the client's group and modalities.
+    shared: the group's untrained shared parameters.
+    start_params: the client's parameters at the start of the round (eq.
+      (2)'s negative).
+    public: ``image [P, S, S, 3]`` and ``caption [P, C, L]``.
+    global_reps: ``{modality: [P, d]}``, the server's global representations.
+    config: ``lcr_weight`` is ``gamma``.
+    var: the variant (which regulariser terms run).
+    b_public: ``B_p``, public samples per step (static; :func:`public_batch_size`).
+
+  Returns:
+    An objective ``(params, batch, mask, key) -> (loss, aux)`` for
+    :func:`fedjax_mm.core.local_update`; ``aux`` holds the ``private`` loss
+    and the unweighted ``regulariser``.
+  """
+  private = _private_objective(client)(client.group, shared)
+  regulariser = regulariser_objective(
+    client, shared, start_params, public, global_reps, config, var
+  )
+  num_public = public["image"].shape[0]
+
+  def objective(params, batch, mask, key):
+    loss, aux = private(params, batch, mask, key)
+
+    def regularise(_):
+      index = public_batch(key, num_public, b_public)
+      value, _ = regulariser(params, {"index": index}, jnp.ones(index.shape, bool), key)
+      return jnp.asarray(value, jnp.float32)
+
+    value = jax.lax.cond(var.regularised, regularise, lambda _: jnp.zeros((), jnp.float32), None)
+    return loss + config.lcr_weight * value, aux | {"private": loss, "regulariser": value}
 
   return objective
 
@@ -561,46 +695,45 @@ def client_update(
   config: CreamConfig,
   max_steps: Array | None = None,
 ) -> tuple[ClientState, Array]:
-  """Step 4 for one group: private task, then the regulariser pass over the public set.
+  """Step 4 for one group: ``E`` epochs of eq. (3), every client in one ``jax.vmap``.
 
-  ``E`` epochs of the private task (:func:`train_group`), then one epoch of
-  :func:`regulariser_objective` over the public set whose intra-modal negative
-  is each client's model at the START of this call (before the private
-  epochs). The public pass runs under ``jax.lax.cond``: skipped for variants
-  without a regulariser. Clients with ``active = False`` take no step;
-  ``max_steps [K]`` (stragglers) caps the private-task steps.
+  Each client runs :func:`fedjax_mm.core.local_update` of its
+  :func:`local_objective` (private minibatch + ``gamma`` x regulariser on a
+  public minibatch of :func:`public_batch_size`, every step), whose
+  intra-modal negative is the client's model at the START of this call. Clients with ``active = False`` take no
+  step; ``max_steps [K]`` (stragglers) caps the local steps, regulariser
+  included (it rides on them).
 
   Returns:
-    ``(state, private-task loss [K])``.
+    ``(state, local objective [K])``: the mean over the steps taken of eq. (3)
+    (the private loss alone for variants without a regulariser).
   """
   group = client.group
-  num_public = public["image"].shape[0]
-  start = state.params
-  state, private_stats = train_group(
-    group,
-    state,
-    data,
-    objective_fn=_private_objective(client),
-    active=active,
-    max_steps=max_steps,
+  mask = data.sample_mask & active[:, None]
+  steps_per_epoch = math.ceil(data.sample_mask.shape[1] / group.batch_size)
+  b_public = public_batch_size(config, public["image"].shape[0], steps_per_epoch)
+
+  def one(params, opt_state, rng, arrays, sample_mask, budget):
+    objective = local_objective(
+      client, state.shared, params, public, global_reps, config, var, b_public
+    )
+    return local_update(
+      objective,
+      group.tx,
+      params,
+      opt_state,
+      rng,
+      arrays,
+      sample_mask,
+      num_epochs=group.local_epochs,
+      batch_size=group.batch_size,
+      max_steps=budget,
+    )
+
+  params, opt_state, rng, stats = jax.vmap(one)(
+    state.params, state.opt_state, state.rng, data.arrays, mask, max_steps
   )
-
-  def run(_):
-    def one(params, opt, rng, start_params, act):
-      objective = regulariser_objective(
-        client, state.shared, start_params, public, global_reps, config, var
-      )
-      return _public_pass(
-        objective, group.tx, params, opt, rng, num_public, config.batch_size, act
-      )[:3]
-
-    return jax.vmap(one)(state.params, state.opt_state, state.rng, start, active)
-
-  def skip(_):
-    return state.params, state.opt_state, state.rng
-
-  params, opt, rng = jax.lax.cond(var.regularised, run, skip, None)
-  return state.replace(params=params, opt_state=opt, rng=rng), private_stats["loss"]
+  return state.replace(params=params, opt_state=opt_state, rng=rng), stats["loss"]
 
 
 # ----------------------------------------------------------------------------
@@ -704,7 +837,7 @@ def creamfl(
       m: public_representations(server_model, m, public, config.batch_size) for m in MODALITIES
     }
 
-    # 4-5. Local training, regulariser, local representations of the public set.
+    # 4-5. Local training on eq. (3), local representations of the public set.
     new_groups, local = [], {m: [] for m in MODALITIES}
     meta = {m: {"present": [], "counts": [], "multimodal": []} for m in MODALITIES}
     client_losses, offset = [], 0
@@ -721,10 +854,10 @@ def creamfl(
         sent = act & ~masks.dropped[offset : offset + k]
         byzantine = masks.byzantine[offset : offset + k]
         offset += k
-      cstate, private_loss = client_update(
+      cstate, local_loss = client_update(
         client, cstate, d, act, public, global_reps, var, config, max_steps=budget
       )
-      client_losses.append(private_loss)
+      client_losses.append(local_loss)
       new_groups.append(cstate)
 
       def reps(params, shared=cstate.shared, client=client):

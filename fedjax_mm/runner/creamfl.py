@@ -7,13 +7,31 @@ side from the same initial server and clients, on the same data and seeds:
 ``local`` (the server alone on the public set), the ``reamFL`` variants,
 ``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`).
 All federated methods share one compiled round (the variant is a runtime
-argument); ``local`` has its own. After every ``eval_every`` rounds (and the
-last) the server is evaluated on a held-out test set of the embedded world
-(i2t / t2i Recall@1/5/10, several captions per image); the bytes of the
-selected clients go to each method's ledger. Workdir, checkpoints, resume,
-NaN guard and the files written are the loop's. At the end it prints and
-writes a table like CreamFL's Table 1 / FedMuscle's Table 3, plus bytes per
-round; :func:`summarize` gives the same table over seeds.
+argument); ``local`` has its own. The bytes of the selected clients go to each
+method's ledger. Workdir, checkpoints, resume, NaN guard and the files written
+are the loop's.
+
+**Evaluation, as CreamFL's Table 1.** The paper tests the server on MS-COCO,
+the distribution of its public set, on the "1K" and "5K" test sets of Karpathy
+& Fei-Fei, and its ``R@1_sum`` adds four numbers: i2t and t2i R@1 on the 1K
+and on the 5K test (CreamFL: 49.66 + 38.94 + 5K's two = 132.88). The
+reference code computes exactly that (``MMFL.train``: ``n_fold`` i2t/t2i R@1
+with ``n_crossfolds=5`` plus the full-set i2t/t2i R@1). Here the test set is
+``N = max(test.sizes)`` held-out images of the embedded world drawn at
+``test.shift`` (default 1.0, the public set's distribution), with 5 captions
+each; for every size ``s`` of ``test.sizes`` (default ``(1000, 5000)``) the
+"``s`` test" averages i2t / t2i Recall@1/5/10 over the ``N / s`` consecutive
+folds of ``s`` images (:func:`fedjax_mm.metrics.image_text_recall`), so
+``s = N`` is the full set, and ``R@1_sum`` (:func:`r1_sum`) adds i2t and t2i
+R@1 over the sizes. Beside every table stands chance (:func:`chance_recall`,
+``~K/s``). ``test.private_size`` images of the clients' private distribution
+(shift 0) give a smaller, separately labelled table (0 turns it off); they are
+not in ``R@1_sum``. After every ``eval_every`` rounds (and the last) every
+method's server is evaluated.
+
+At the end it prints and writes tables like CreamFL's Table 1 / FedMuscle's
+Table 3, plus bytes per round; :func:`summarize` gives the same tables over
+seeds.
 
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints it
@@ -25,7 +43,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -131,6 +149,10 @@ def validate(config) -> None:
   for key in ("server_temperature", "inter_temperature", "intra_temperature", "gca_temperature"):
     if not c[key] > 0:
       raise ConfigError(f"creamfl.{key} must be > 0, got {c[key]}.")
+  if c.public_batch_size is not None and not 1 <= c.public_batch_size <= config.public.size:
+    raise ConfigError(
+      f"creamfl.public_batch_size ({c.public_batch_size}) must be between 1 and public.size ({config.public.size})."
+    )
   if c.gca_chunk_size is not None and c.gca_chunk_size < 1:
     raise ConfigError(f"creamfl.gca_chunk_size must be positive, got {c.gca_chunk_size}.")
   if "CreamFL+Muscle" in config.methods:
@@ -142,11 +164,16 @@ def validate(config) -> None:
       raise ConfigError(
         f"creamfl.muscle_tau_reduced ({c.muscle_tau_reduced}) must be in (0, muscle_tau_full = {c.muscle_tau_full}) so that gamma > 0."
       )
-  if config.test.size < 2:
-    raise ConfigError(f"test.size must be >= 2, got {config.test.size}.")
-  folds = config.test.folds
-  if folds is not None and (folds < 1 or config.test.size % folds):
-    raise ConfigError(f"test.folds ({folds}) must divide test.size ({config.test.size}).")
+  sizes = tuple(config.test.sizes)
+  if not sizes or len(set(sizes)) != len(sizes) or min(sizes) < 2:
+    raise ConfigError(f"test.sizes must be distinct sizes >= 2, got {sizes}.")
+  if any(max(sizes) % n for n in sizes):
+    raise ConfigError(
+      f"test.sizes {sizes}: every size must divide the largest ({max(sizes)}), the test set's "
+      "size, so that a smaller test is a mean over folds of it."
+    )
+  if config.test.private_size == 1:
+    raise ConfigError("test.private_size must be 0 (no private test) or >= 2, got 1.")
 
 
 # ----------------------------------------------------------------------------
@@ -180,8 +207,24 @@ def _client_data(config, name: str, group_index: int):
   return core.make_client_data(stacked, mask, user_ids=np.arange(spec.num))
 
 
+def _test_set(seed: int, num: int, world: data.WorldConfig, shift: float) -> dict[str, jax.Array]:
+  """``num`` held-out images and all their captions (every caption is a query and a candidate)."""
+  test = data.generate(seed, num, config=world, shift=shift)
+  captions = test["caption"]  # [N, C, L]
+  return {
+    "image": jnp.asarray(test["image"]),
+    "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
+    "ids": jnp.asarray(np.repeat(np.arange(captions.shape[0]), captions.shape[1])),
+  }
+
+
 def build(config):
-  """Validated client groups, server, initial states, private data, public and test sets."""
+  """Validated client groups, server, initial states, private data, public and test sets.
+
+  The test sets are ``{"public": ..., "private": ...}`` (the latter only with
+  ``test.private_size``), each ``image [N, S, S, 3]``, ``caption [N C, L]``
+  and ``ids [N C]``.
+  """
   validate(config)
   world = _world(config)
   root = jax.random.key(config.seed)
@@ -250,15 +293,12 @@ def build(config):
     config.seed * 1000 + 1, config.public.size, config=world, shift=config.public.shift
   )
   public = {"image": jnp.asarray(public["image"]), "caption": jnp.asarray(public["caption"])}
-  test = data.generate(
-    config.seed * 1000 + 2, config.test.size, config=world, shift=config.test.shift
-  )
-  captions = test["caption"]  # [N, C, L]: every caption is a query and a candidate
+  # The test set of CreamFL's Table 1: the public distribution, N = max(test.sizes) images.
   test = {
-    "image": jnp.asarray(test["image"]),
-    "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
-    "ids": jnp.asarray(np.repeat(np.arange(captions.shape[0]), captions.shape[1])),
+    "public": _test_set(config.seed * 1000 + 2, max(config.test.sizes), world, config.test.shift)
   }
+  if config.test.private_size:
+    test["private"] = _test_set(config.seed * 1000 + 3, config.test.private_size, world, 0.0)
   return (
     tuple(clients),
     tuple(states),
@@ -287,8 +327,54 @@ def _bytes_per_client(config, clients) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(up, np.int64), np.asarray(downs, np.int64)
 
 
-def _r1_sum(recall: Mapping[str, float]) -> float:
-  return recall["i2t_R@1"] + recall["t2i_R@1"]
+def size_label(size: int) -> str:
+  """A test set's name by its number of images: ``1000 -> "1K"``, ``5000 -> "5K"``, ``250 -> "250"``."""
+  return f"{size // 1000}K" if size % 1000 == 0 else str(size)
+
+
+def r1_sum(recall: Mapping[str, Mapping[str, float]], sizes: Sequence[int]) -> float:
+  """CreamFL's ``R@1_sum``: i2t R@1 + t2i R@1 on each test size (4 numbers for 1K and 5K).
+
+  Args:
+    recall: ``{size label: {"i2t_R@1": ..., "t2i_R@1": ..., ...}}`` (percentages).
+    sizes: the test sizes (``config.test.sizes``).
+  """
+  return sum(recall[size_label(n)][k] for n in sizes for k in ("i2t_R@1", "t2i_R@1"))
+
+
+def rsum(recall: Mapping[str, Mapping[str, float]], sizes: Sequence[int]) -> float:
+  """All six recalls summed over the test sizes."""
+  return sum(recall[size_label(n)][k] for n in sizes for k in RECALL_KEYS)
+
+
+def chance_recall(
+  num_images: int, captions_per_image: int, ks: Sequence[int] = (1, 5, 10)
+) -> dict[str, float]:
+  """Recall@K (%) of a uniformly random ranking on ``num_images`` images x ``C`` captions.
+
+  t2i: one correct image among ``N``, ``min(K / N, 1)``. i2t: ``C`` correct
+  captions among ``C N``, found unless all ``K`` top candidates are wrong,
+  ``1 - prod_{j<K} (C N - C - j) / (C N - j)`` (about ``K / N`` too).
+  """
+  n, c = num_images, captions_per_image
+  out = {}
+  for k in ks:
+    miss = 1.0
+    for j in range(min(k, c * n)):
+      miss *= max(c * n - c - j, 0) / (c * n - j)
+    out[f"i2t_R@{k}"] = 100.0 * (1.0 - miss)
+  for k in ks:
+    out[f"t2i_R@{k}"] = 100.0 * min(k / n, 1.0)
+  return out
+
+
+def _chance(config) -> dict[str, dict[str, float]]:
+  """Chance recall of every table: per test size (its fold size) and the private test."""
+  c = data.WorldConfig().captions_per_image
+  out = {size_label(n): chance_recall(n, c) for n in config.test.sizes}
+  if config.test.private_size:
+    out["private"] = chance_recall(config.test.private_size, c)
+  return out
 
 
 def experiment(config) -> loop.Experiment:
@@ -314,17 +400,30 @@ def experiment(config) -> loop.Experiment:
     m: local_step if m == LOCAL else functools.partial(fed_step, v=variants[m]) for m in methods
   }
 
+  sizes = tuple(config.test.sizes)
+  num_test = max(sizes)
+
   @jax.jit
-  def embed(params):
+  def embed(params, images, captions):  # The test set is an argument, not a baked constant.
     model = server.merge(params)
-    images = apply_in_batches(lambda x: model.represent(x, "image"), test["image"], 256)
-    texts = apply_in_batches(lambda x: model.represent(x, "text"), test["caption"], 256)
+    images = apply_in_batches(lambda x: model.represent(x, "image"), images, 256)
+    texts = apply_in_batches(lambda x: model.represent(x, "text"), captions, 256)
     return images, texts
 
-  def evaluate(s) -> dict[str, float]:
-    images, texts = embed(s.server_params)
-    recall = metrics.image_text_recall(images, texts, test["ids"], folds=config.test.folds)
-    return {k: float(recall[k]) for k in RECALL_KEYS}
+  def recall_of(params, test_set, folds):
+    images, texts = embed(params, test_set["image"], test_set["caption"])
+    return [
+      {k: float(r[k]) for k in RECALL_KEYS}
+      for r in (metrics.image_text_recall(images, texts, test_set["ids"], folds=f) for f in folds)
+    ]
+
+  def evaluate(s) -> dict[str, dict[str, float]]:
+    """``{size label: recall, ...}`` on the public-distribution test, ``"private"`` too if any."""
+    public = recall_of(s.server_params, test["public"], [num_test // n for n in sizes])
+    out = {size_label(n): r for n, r in zip(sizes, public, strict=True)}
+    if "private" in test:
+      out["private"] = recall_of(s.server_params, test["private"], [None])[0]
+    return out
 
   def nonfinite(out) -> list[str]:
     bad = [] if bool(out["server_finite"]) else ["the server"]
@@ -353,14 +452,16 @@ def experiment(config) -> loop.Experiment:
         counts = outs[m].get("fault_counts") or {}
         values |= {f"{m}/faults/{k}": float(v) for k, v in counts.items()}
       if m in evals:
-        values |= {f"{m}/{k}": v for k, v in evals[m].items()}
+        values[f"{m}/R@1_sum"] = r1_sum(evals[m], sizes)
+        for test_name, recall in evals[m].items():
+          values |= {f"{m}/{test_name}/{k}": v for k, v in recall.items()}
     return [("creamfl", values)]
 
   def postfix(evals):
     if not evals:
       return {}
-    best = max(evals, key=lambda m: _r1_sum(evals[m]))
-    return {"best": f"{best} {_r1_sum(evals[best]):.1f}"}
+    best = max(evals, key=lambda m: r1_sum(evals[m], sizes))
+    return {"best": f"{best} {r1_sum(evals[best], sizes):.1f}"}
 
   return loop.Experiment(
     init=lambda: {
@@ -390,76 +491,153 @@ def run(
   return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
+def _recall_table(rows: Sequence[Sequence[Any]], chance: Mapping[str, float]) -> str:
+  """``method | six recalls`` rows and a last row at chance."""
+  rows = [*rows, ["chance (random ranking)", *(chance[k] for k in RECALL_KEYS)]]
+  return report_lib.format_table(["method", *RECALL_KEYS], rows)
+
+
+def _protocol(config) -> dict[str, Any]:
+  sizes = list(config.test.sizes)
+  return {
+    "test_sizes": sizes,
+    "test_images": max(sizes),
+    "folds": {size_label(n): max(sizes) // n for n in sizes},
+    "captions_per_image": data.WorldConfig().captions_per_image,
+    "shift": config.test.shift,
+    "public_shift": config.public.shift,
+    "private_size": config.test.private_size,
+    "r1_sum": " + ".join(f"{d}_R@1({size_label(n)})" for n in sizes for d in ("i2t", "t2i")),
+  }
+
+
+def _describe_tests(config) -> str:
+  sizes, num = tuple(config.test.sizes), max(config.test.sizes)
+  c = data.WorldConfig().captions_per_image
+  where = (
+    "the public set's distribution"
+    if config.test.shift == config.public.shift
+    else "NOT the public set's distribution"
+  )
+  parts = [
+    f"{size_label(n)} = mean over {num // n} folds of {n} images"
+    if n < num
+    else f"{size_label(n)} = all {n} images"
+    for n in sizes
+  ]
+  return (
+    f"{num} held-out test images x {c} captions at shift {config.test.shift} ({where}); "
+    + "; ".join(parts)
+  )
+
+
 def _report(config, methods, outcome: loop.Outcome) -> loop.Report:
-  """The Recall@K table of CreamFL's Table 1 / FedMuscle's Table 3, plus bytes per round."""
+  """CreamFL's Table 1 (one table per test size, R@1_sum over all), plus bytes per round."""
   results, rounds = outcome.final, config.rounds
+  sizes = tuple(config.test.sizes)
+  chance = _chance(config)
   fmt = report_lib.format_table
-  local_sum = _r1_sum(results[LOCAL]) if LOCAL in results else None
-  rows = []
-  traffic = {}
+  local_sum = r1_sum(results[LOCAL], sizes) if LOCAL in results else None
+  summary_rows, traffic = [], {}
   for m in methods:
-    rec = results[m]
     ledger = outcome.ledgers.get(m)  # None: the method sent nothing.
     up, down = (ledger.total_up, ledger.total_down) if ledger else (0, 0)
     traffic[m] = {"up_per_round": up / rounds, "down_per_round": down / rounds}
-    gain = "" if local_sum is None else f"{_r1_sum(rec) - local_sum:+.2f}"
-    rows.append(
-      [m]
-      + [rec[k] for k in RECALL_KEYS]
-      + [
-        _r1_sum(rec),
-        sum(rec[k] for k in RECALL_KEYS),
-        gain,
-        ledger_lib.format_bytes((up + down) / rounds),
-      ]
+    total = r1_sum(results[m], sizes)
+    gain = "" if local_sum is None else f"{total - local_sum:+.2f}"
+    summary_rows.append(
+      [m, total, rsum(results[m], sizes), gain, ledger_lib.format_bytes((up + down) / rounds)]
     )
-  headers = ["method", *RECALL_KEYS, "R@1_sum", "RSUM", "vs local", "bytes/round"]
-  table = fmt(headers, rows)
-  protocol = "full set" if config.test.folds is None else f"{config.test.folds} folds"
+  chance_sum = r1_sum(chance, sizes)
+  summary_rows.append(["chance (random ranking)", chance_sum, rsum(chance, sizes), "", ""])
+  summary = fmt(["method", "R@1_sum", "RSUM", "vs local", "bytes/round"], summary_rows)
+  tables = {
+    size_label(n): _recall_table(
+      [[m, *(results[m][size_label(n)][k] for k in RECALL_KEYS)] for m in methods],
+      chance[size_label(n)],
+    )
+    for n in sizes
+  }
+  private = None
+  if config.test.private_size:
+    private = _recall_table(
+      [[m, *(results[m]["private"][k] for k in RECALL_KEYS)] for m in methods], chance["private"]
+    )
   wall, start_round = outcome.wall_time_s, outcome.resumed_at
-  summary = (
+  protocol = _protocol(config)
+  description = (
     f"Server ({config.server.image_encoder} + {config.server.text_encoder}) after {rounds} rounds; "
-    f"Recall@K (%) on {config.test.size} held-out test images x {data.WorldConfig().captions_per_image} "
-    f"captions ({protocol}); {sum(config.clients[g].num for g in GROUPS)} clients, "
+    f"Recall@K (%) on {_describe_tests(config)}. R@1_sum = {protocol['r1_sum']} (CreamFL's "
+    f"Table 1; RSUM adds all {6 * len(sizes)} recalls). "
+    f"{sum(config.clients[g].num for g in GROUPS)} clients, "
     f"{config.creamfl.num_selected} per round, P={config.public.size}, d={config.rep_dim}, "
-    f"seed {config.seed}; wall time {wall:.0f} s"
+    f"gamma={config.creamfl.lcr_weight}, seed {config.seed}; wall time {wall:.0f} s"
     + (f" (resumed at round {start_round})" if start_round else "")
   )
   history = {
     m: [
-      (record["round"], record[f"{m}/i2t_R@1"] + record[f"{m}/t2i_R@1"])
+      (record["round"], record[f"{m}/R@1_sum"])
       for record in outcome.history
-      if f"{m}/i2t_R@1" in record
+      if f"{m}/R@1_sum" in record
     ]
     for m in methods
   }
+  sections = [("Result", description), ("R@1_sum (public-distribution tests)", summary)]
+  for n in sizes:
+    label = size_label(n)
+    sections.append((f"{label} test: Recall@K (%)", tables[label]))
+  if private is not None:
+    sections.append(
+      (
+        f"Private distribution (shift 0, {config.test.private_size} images, full set; not in "
+        "R@1_sum): Recall@K (%)",
+        private,
+      )
+    )
+  sections.append(("Curves", "![R@1_sum](curves.png)"))
   result = {
-    "recall": results,
-    "r1_sum": {m: _r1_sum(results[m]) for m in methods},
-    "rsum": {m: sum(results[m][k] for k in RECALL_KEYS) for m in methods},
+    "protocol": protocol,
+    "recall": {m: {size_label(n): results[m][size_label(n)] for n in sizes} for m in methods},
+    "r1_sum": {m: r1_sum(results[m], sizes) for m in methods},
+    "rsum": {m: rsum(results[m], sizes) for m in methods},
+    "chance": chance,
     "traffic": traffic,
+    "gamma": config.creamfl.lcr_weight,
     "rounds": rounds,
     "seed": config.seed,
     "wall_time_s": wall,
   }
+  if private is not None:
+    result["private_recall"] = {m: results[m]["private"] for m in methods}
+  text = "\n\n".join(
+    [summary] + [f"{size_label(n)} test:\n{tables[size_label(n)]}" for n in sizes] + [description]
+  )
   return loop.Report(
     title="CreamFL and its variants: server image-text retrieval",
-    sections=[("Result", summary), ("Recall@K (%)", table), ("Curves", "![R@1 sum](curves.png)")],
+    sections=sections,
     plots={
       "curves.png": loop.Curves(
-        {"server R@1_sum (i2t + t2i)": history},
-        "Server retrieval on the test set",
-        "R@1 sum (%)",
+        {"server R@1_sum": history},
+        "Server retrieval on the public-distribution test",
+        "R@1_sum (%)",
       )
     },
     results=result,
-    text=table + "\n\n" + summary,
+    text=text,
   )
 
 
 def summarize(workdirs) -> str:
-  """Mean ± sample std over runs (seeds) of the final table, from their ``results.json``."""
+  """Mean ± sample std over runs (seeds) of the final tables, from their ``results.json``."""
   runs = [json.loads((pathlib.Path(w) / "results.json").read_text()) for w in workdirs]
+  for w, r in zip(workdirs, runs, strict=True):
+    if "protocol" not in r:
+      raise ValueError(
+        f"{w}: results.json predates the public-distribution 1K/5K protocol; run it again."
+      )
+  sizes = runs[0]["protocol"]["test_sizes"]
+  if any(r["protocol"]["test_sizes"] != sizes for r in runs):
+    raise ValueError("the runs were evaluated on different test sizes.")
   methods = [m for m in runs[0]["recall"] if all(m in r["recall"] for r in runs)]
 
   def cell(values):
@@ -467,17 +645,31 @@ def summarize(workdirs) -> str:
     std = values.std(ddof=1) if len(values) > 1 else 0.0
     return f"{values.mean():.2f} ± {std:.2f}"
 
-  rows = []
+  chance = runs[0]["chance"]
   local = [r["r1_sum"][LOCAL] for r in runs] if LOCAL in methods else None
+  rows = []
   for m in methods:
-    row = [m] + [cell([r["recall"][m][k] for r in runs]) for k in RECALL_KEYS]
-    row += [cell([r["r1_sum"][m] for r in runs]), cell([r["rsum"][m] for r in runs])]
+    row = [m, cell([r["r1_sum"][m] for r in runs]), cell([r["rsum"][m] for r in runs])]
     if local is not None:
       row.append(cell([r["r1_sum"][m] - lo for r, lo in zip(runs, local, strict=True)]))
     rows.append(row)
-  headers = ["method", *RECALL_KEYS, "R@1_sum", "RSUM"] + (["vs local"] if local else [])
+  rows.append(
+    ["chance (random ranking)", f"{r1_sum(chance, sizes):.2f}", f"{rsum(chance, sizes):.2f}"]
+    + ([""] if local is not None else [])
+  )
+  headers = ["method", "R@1_sum", "RSUM"] + (["vs local"] if local is not None else [])
+  parts = [report_lib.format_table(headers, rows)]
+  for n in sizes:
+    label = size_label(n)
+    rows = [
+      [m] + [cell([r["recall"][m][label][k] for r in runs]) for k in RECALL_KEYS] for m in methods
+    ]
+    rows.append(["chance (random ranking)", *(f"{chance[label][k]:.2f}" for k in RECALL_KEYS)])
+    parts.append(f"{label} test:\n" + report_lib.format_table(["method", *RECALL_KEYS], rows))
   seeds = ", ".join(str(r["seed"]) for r in runs)
-  return (
-    report_lib.format_table(headers, rows)
-    + f"\n\nmean ± std (sample, ddof=1) over {len(runs)} runs (seeds {seeds}), Recall@K in %."
+  protocol = runs[0]["protocol"]
+  return "\n\n".join(parts) + (
+    f"\n\nmean ± std (sample, ddof=1) over {len(runs)} runs (seeds {seeds}), Recall@K in %; "
+    f"{protocol['test_images']} test images at shift {protocol['shift']}; "
+    f"R@1_sum = {protocol['r1_sum']}."
   )

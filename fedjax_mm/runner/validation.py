@@ -171,9 +171,9 @@ CREAMFL: dict[str, Range] = {
   "clients.multimodal.train_size": COUNT,
   "public.size": COUNT,
   "public.shift": FRACTION,
-  "test.size": COUNT,
+  "test.sizes[]": COUNT,
   "test.shift": FRACTION,
-  "test.folds": COUNT,
+  "test.private_size": NON_NEGATIVE_INT,
   "creamfl.num_selected": COUNT,
   "creamfl.batch_size": COUNT,
   "creamfl.server_temperature": POSITIVE,
@@ -187,6 +187,7 @@ CREAMFL: dict[str, Range] = {
   "creamfl.muscle_tau_full": POSITIVE,
   "creamfl.muscle_tau_reduced": POSITIVE,
   "creamfl.gca_chunk_size": COUNT,
+  "creamfl.public_batch_size": COUNT,
   **FAULTS,
 }
 

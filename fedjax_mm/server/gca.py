@@ -11,9 +11,12 @@ public sample ``k`` and client ``c``:
   \alpha^{(k,\cdot)} &= \operatorname{softmax}_c\, s^{(k,c)}                &\text{(eq. 5)} \\
   a_k &= \sum_c \alpha^{(k,c)} l^c_k                                        &\text{(eq. 6)}
 
-(``tau = 1`` is the paper's equation.) Clients that did not take part (or
-padding clients) have ``present = False`` and weight 0; a sample with no
-client present aggregates to 0.
+(``tau = 1`` is the paper's equation; the reference implementation's ``con_w``
+aggregation, FLAIR-THU/CreamFL ``src/algorithms/MMFL.py``, divides by no
+temperature either. That code normalises over ALL ``j``, ``j = k`` included,
+where eq. (4) sums over ``j != k``; this module follows eq. (4) as printed.)
+Clients that did not take part (or padding clients) have ``present = False``
+and weight 0; a sample with no client present aggregates to 0.
 
 Memory. Eq. (4) needs, per client, the similarities of every public sample to
 every other: ``C x P x P`` numbers, 100 GB at the paper's ``P = 50,000`` and
