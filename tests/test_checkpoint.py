@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fedjax_mm.core import checkpoint as checkpoint_lib
 from fedjax_mm.core.checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from fedjax_mm.core.ledger import Ledger
 
@@ -422,14 +423,15 @@ def test_failed_reads_leave_no_tracebacks_at_exit(tmp_path):
     from fedjax_mm.core.checkpoint import CheckpointError, Checkpointer
 
     root = pathlib.Path({str(tmp_path)!r})
-    x = {{"x": jnp.arange(4096.0), "y": jnp.ones((64, 64)), "z": jnp.zeros(7, jnp.int32)}}
+    # Many leaves: many sibling reads are orphaned by each failure.
+    x = {{f"x{{i}}": jnp.arange(1024.0 + i) for i in range(40)}}
     ckpt = Checkpointer(root, max_to_keep=None)
     for step in (1, 2, 3):
       ckpt.save(step, x)
     ckpt.wait()
     for step in (1, 2, 3):
       (root / str(step) / "state" / "manifest.ocdbt").write_bytes(b"garbage")
-    for _ in range(6):  # Each failed read may spill its own; six make one near certain.
+    for _ in range(6):  # Each failed read may spill its own; six make some near certain.
       try:
         ckpt.restore_latest_good(jax.eval_shape(lambda: x))
       except CheckpointError as e:
@@ -444,3 +446,28 @@ def test_failed_reads_leave_no_tracebacks_at_exit(tmp_path):
   assert result.returncode == 0, stderr[-3000:]
   assert stderr.count("refused") == 6, stderr[-3000:]
   assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]
+  assert "never retrieved" not in stderr, stderr[-3000:]
+
+
+def test_the_asyncio_filter_keeps_other_tasks_errors():
+  """Only orphaned Orbax/TensorStore reads are dropped from asyncio's log."""
+
+  def record(message, error):
+    return logging.LogRecord(
+      "asyncio", logging.ERROR, __file__, 1, message, None, (type(error), error, None)
+    )
+
+  def raised_here():
+    try:
+      raise ValueError("DATA_LOSS: some other library")
+    except ValueError as e:
+      return e
+
+  keep = checkpoint_lib._drop_orphaned_orbax_reads
+  assert keep(record("Task exception was never retrieved", raised_here()))
+  assert keep(record("Something else", ValueError("x [tensorstore_spec='{}']")))
+  assert not keep(
+    record(
+      "Future exception was never retrieved", ValueError("DATA_LOSS: x [tensorstore_spec='{}']")
+    )
+  )

@@ -207,9 +207,12 @@ def _quiet_closed_loop_noise() -> None:
   TensorStore read fails; the reads still in flight then complete into the
   closed loop, and Python prints each ``RuntimeError('Event loop is closed')``
   through ``sys.unraisablehook`` as a traceback, at random moments up to exit.
-  They carry no information (the failure itself was raised), so after a
-  failure this process ignores exactly that error; every other unraisable
-  exception still reaches the previous hook.
+  They carry no information (the failure itself is raised), so from the first
+  restore on this process ignores exactly that error (installed before the
+  read, as the orphans may fail while the first error is still propagating);
+  every other unraisable exception still reaches the previous hook. asyncio's
+  "exception was never retrieved" records of the same orphans are filtered by
+  :func:`_drop_orphaned_orbax_reads`.
   """
   if getattr(sys.unraisablehook, "_drops_closed_loop_noise", False):
     return
@@ -223,6 +226,33 @@ def _quiet_closed_loop_noise() -> None:
 
   hook._drops_closed_loop_noise = True
   sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(_drop_orphaned_orbax_reads)
+
+
+def _drop_orphaned_orbax_reads(record: logging.LogRecord) -> bool:
+  """Filters asyncio's "... exception was never retrieved" for Orbax reads.
+
+  When one read of a damaged step fails, Orbax abandons its sibling reads; those
+  that fail too are garbage-collected with their exception unread, and asyncio
+  logs each (an Orbax task with its traceback, or a bare TensorStore future) at
+  random moments up to exit. The failure was already raised and reported in one
+  line, so only records whose exception was raised inside Orbax or carries a
+  TensorStore spec are dropped; any other task's stays.
+  """
+  message = record.getMessage()
+  if not message.partition("\n")[0].endswith("exception was never retrieved"):
+    return True
+  error = record.exc_info[1] if record.exc_info else None
+  if error is None:
+    return True
+  if "tensorstore_spec" in str(error):
+    return False
+  tb = error.__traceback__
+  while tb is not None:
+    if "orbax" in tb.tb_frame.f_code.co_filename:
+      return False
+    tb = tb.tb_next
+  return True
 
 
 def _uncommit(x: jax.Array) -> jax.Array:
@@ -403,12 +433,9 @@ class Checkpointer:
       Exception: whatever Orbax raises for files it cannot read.
     """
     step = self._resolve_step(step)
-    try:
-      expected = self._read_checksums(step)
-      restored = self._restore_state(step, target)
-    except Exception:
-      _quiet_closed_loop_noise()
-      raise
+    _quiet_closed_loop_noise()  # Before the read: its orphans may fail at once.
+    expected = self._read_checksums(step)
+    restored = self._restore_state(step, target)
     if expected is not None:
       actual = _array_checksums(restored)
       for path, want in expected[_STATE].items():
@@ -462,14 +489,11 @@ class Checkpointer:
       DamagedCheckpointError: the document reads back with another checksum.
     """
     step = self._resolve_step(step)
-    try:
-      expected = self._read_checksums(step)
-      restored = self._manager.restore(
-        step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
-      )
-    except Exception:
-      _quiet_closed_loop_noise()
-      raise
+    _quiet_closed_loop_noise()
+    expected = self._read_checksums(step)
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+    )
     document = dict(restored[_METADATA])
     if expected is not None and _document_crc32(document) != expected[_METADATA]:
       raise DamagedCheckpointError(f"the metadata of step {step} does not match its checksum")
