@@ -48,6 +48,9 @@ from fedjax_mm.runner.creamfl import METHODS
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
+  # How the engine batches a group's clients: auto (vmap on accelerators and
+  # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
+  config.client_map = "auto"
   config.rounds = 12
   config.eval_every = 4
   config.methods = METHODS

@@ -34,6 +34,9 @@ def _user(encoder, task, train_size):
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
+  # How the engine batches a group's clients: auto (vmap on accelerators and
+  # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
+  config.client_map = "auto"
   config.rounds = 12
   config.local_epochs = 1
   config.local_batch_size = 32

@@ -50,6 +50,9 @@ def _client(name, classes, train_size):
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
+  # How the engine batches a group's clients: auto (vmap on accelerators and
+  # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
+  config.client_map = "auto"
   config.rounds = 20
   config.local_epochs = 2
   config.batch_size = 32

@@ -1,5 +1,6 @@
 """Equivalences of the client engine: vmapped == looped, padded == unpadded, sharded == unsharded."""
 
+import dataclasses
 import functools
 
 import chex
@@ -97,6 +98,42 @@ def test_padded_samples_and_padding_clients_change_nothing():
   )
   assert stats["steps"][len(SIZES) :].tolist() == [0, 0]
   assert padded_data.user_ids.tolist()[-2:] == [-1, -1]
+
+
+@pytest.mark.parametrize("client_map", ["scan", "map:3", "map:8"])
+def test_every_client_map_equals_vmap(client_map):
+  """scan and chunked lax.map train each client as vmap does (3 does not divide 4)."""
+  group, state = make_group(len(SIZES))
+  data = _data()
+  expected, expected_stats = _train(dataclasses.replace(group, client_map="vmap"))(state, data)
+  got, stats = _train(dataclasses.replace(group, client_map=client_map))(state, data)
+  chex.assert_trees_all_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got.opt_state, expected.opt_state, rtol=1e-5, atol=1e-6)
+  assert stats["steps"].tolist() == expected_stats["steps"].tolist()
+  assert jax.random.key_data(got.rng).tolist() == jax.random.key_data(expected.rng).tolist()
+
+
+def test_client_map_auto_and_bad_specs():
+  # Several (fake) CPU devices here: the client axis may be sharded, so vmap.
+  assert core.resolve_client_map("auto") == "vmap"
+  assert core.resolve_client_map("map:4") == "map:4"
+  for bad in ("map:0", "map:", "pmap", "map:x", ""):
+    with pytest.raises(ValueError, match="client_map"):
+      core.parse_client_map(bad)
+  with pytest.raises(ValueError, match="client_map"):
+    make_group_with_map("loop")
+
+
+def make_group_with_map(client_map):
+  return core.init_group(
+    lambda rngs: None,
+    name="x",
+    tx=optax.sgd(0.1),
+    task=TASK,
+    key=jax.random.key(0),
+    num_clients=1,
+    client_map=client_map,
+  )
 
 
 def test_sharded_round_equals_unsharded():

@@ -77,6 +77,16 @@ def test_validate_names_the_bad_number(name, key, value, message):
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", RUNNERS)
+def test_a_bad_client_map_is_refused(name):
+  runner, module, _, _ = RUNNERS[name]
+  config = module.get_config("smoke")
+  assert validation.check_client_map(config) == "auto"
+  config.client_map = "map:0"
+  with pytest.raises(ConfigError, match="client_map must be 'auto', 'vmap', 'scan' or 'map:<k>'"):
+    runner.validate(config)
+
+
 def test_check_numbers_on_plain_nests():
   spec = {"a.b[]": validation.COUNT, "f": validation.FRACTION}
   validation.check_numbers({"a": {"b": [1, 2]}, "f": 1, "flag": True, "name": "x", "c": None}, spec)

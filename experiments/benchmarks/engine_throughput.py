@@ -7,8 +7,10 @@ world, each with ``steps * batch`` samples, so one local epoch is ``steps``
 minibatch steps. Every contender runs the same single-client function
 (:func:`fedjax_mm.core.local_update`), jitted, after a warm-up call:
 
-* vmapped: ``core.train_group``, one call for all N clients;
-* loop:    the jitted single-client update called once per client from Python.
+* engine: ``core.train_group``, one call for all N clients, once per client
+  map (``--client_maps``: ``vmap``, ``scan``, ``map:<k>``) and for ``auto``,
+  the form :func:`fedjax_mm.core.resolve_client_map` picks on this backend;
+* loop:   the jitted single-client update called once per client from Python.
 
 Both are timed with the zoo's convolution (``models.conv``: im2col, the
 default) and, for N <= ``--xla_limit``, with XLA's native convolution, which
@@ -29,6 +31,7 @@ import jax
 import numpy as np
 import optax
 from absl import app, flags
+from flax import nnx
 
 from fedjax_mm import core, data, models
 from fedjax_mm.models.conv import Conv
@@ -77,7 +80,7 @@ def _model(conv_impl):
     model = models.build(
       {"encoder": "cnn_s", "head": "linear", "num_outputs": 10, "rep_dim": 64}, rngs=rngs
     )
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
       if isinstance(module, Conv):
         module.impl = conv_impl
     return model
@@ -89,9 +92,9 @@ def _repeats(impl):
   return _REPEATS.value if impl == "im2col" else 1
 
 
-def _vmapped(impl, num_clients, client_data, batch):
-  """(seconds, FLOPs) of one vmapped round."""
-  group, state = _group(impl, num_clients, batch)
+def _vmapped(impl, num_clients, client_data, batch, client_map="vmap"):
+  """(seconds, FLOPs) of one engine round with the given client map."""
+  group, state = _group(impl, num_clients, batch, client_map)
   vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
   seconds = _median_time(lambda: vmapped(state, client_data), _repeats(impl))
   return seconds, _flops(vmapped, state, client_data)
@@ -113,7 +116,7 @@ def _loop(impl, num_clients, client_data, batch):
   return seconds * num_clients / looped, _flops(single, *clients[0]) * num_clients, looped
 
 
-def _group(impl, num_clients, batch):
+def _group(impl, num_clients, batch, client_map="vmap"):
   return core.init_group(
     _model(impl),
     name=f"cnn_s/{impl}",
@@ -122,7 +125,13 @@ def _group(impl, num_clients, batch):
     key=jax.random.key(0),
     num_clients=num_clients,
     batch_size=batch,
+    client_map=client_map,
   )
+
+
+_MAPS = flags.DEFINE_list(
+  "client_maps", ["vmap", "scan", "map:2", "map:8"], "Client maps to time besides auto."
+)
 
 
 def _cell(num_clients, steps, batch):
@@ -132,11 +141,15 @@ def _cell(num_clients, steps, batch):
   parts = np.split(np.arange(num_clients * per_client), num_clients)
   stacked, mask = data.stack_clients(data.split_clients(world, parts))
   client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
-  out = {"vmapped/im2col": _vmapped("im2col", num_clients, client_data, batch)}
-  *out["loop/im2col"], looped = _loop("im2col", num_clients, client_data, batch)
+  out = {}
+  *out["loop"], looped = _loop("im2col", num_clients, client_data, batch)
+  for client_map in _MAPS.value:
+    out[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
+  auto = core.resolve_client_map("auto")
+  out["auto"] = out.get(auto) or _vmapped("im2col", num_clients, client_data, batch, auto)
   if num_clients <= _XLA_LIMIT.value:
     *out["loop/xla"], _ = _loop("xla", num_clients, client_data, batch)
-    out["vmapped/xla"] = _vmapped("xla", num_clients, client_data, batch)
+    out["vmap/xla"] = _vmapped("xla", num_clients, client_data, batch)
   return out, looped
 
 
@@ -145,44 +158,51 @@ def main(argv):
   steps, batch = _STEPS.value, _BATCH.value
   device = jax.devices()[0]
   peak = _matmul_gflops(_REPEATS.value)
+  auto = core.resolve_client_map("auto")
   print(
     f"cnn_s clients, {steps} local steps of batch {batch}, "
     f"device={device.device_kind} x{jax.device_count()}; "
-    f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s"
+    f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s; client_map='auto' is {auto!r} here"
   )
-  print("client-steps/s (GFLOP/s in brackets); ratio = vmapped / loop of the same step")
-  cols = ("vmapped", "loop", "ratio", "vmapped, xla conv", "loop, xla conv", "ratio")
-  header = f"{'N':>5} | " + " | ".join(f"{c:>18}" for c in cols)
+  print(
+    "client-steps/s of one round (GFLOP/s in brackets), im2col convolution; "
+    "each engine column in x of the loop"
+  )
+  cols = ["loop", *_MAPS.value, "auto"]
+  header = f"{'N':>5} | " + " | ".join(f"{c:>19}" for c in cols)
   print(header)
   print("-" * len(header))
-  summary = None
+  cells = {}
   for num_clients in map(int, _CLIENTS.value):
     cell, looped = _cell(num_clients, steps, batch)
+    cells[num_clients] = cell
 
-    def rate(name, cell=cell, n=num_clients):
-      if name not in cell:
-        return f"{'-':>18}"
-      seconds, flops = cell[name]
-      return f"{n * steps / seconds:>9.1f} ({flops / seconds / 1e9:>5.1f})"
+    def show(name, cell=cell, n=num_clients):
+      # The loop's FLOPs for every column: the same work, and XLA's cost
+      # analysis counts a compiled loop's body once, not once per iteration.
+      seconds, flops = cell[name][0], cell["loop"][1]
+      rate = f"{n * steps / seconds:.1f} ({flops / seconds / 1e9:.1f})"
+      if name == "loop":
+        return f"{rate:>19}"
+      speedup = cell["loop"][0] / seconds
+      return f"{rate} {speedup:.2f}x".rjust(19)
 
-    def ratio(a, b, cell=cell):
-      return f"{cell[b][0] / cell[a][0]:>17.2f}x" if a in cell else f"{'-':>18}"
-
-    scaled = "" if looped == num_clients else f"  (loops timed on {looped}, scaled)"
+    scaled = "" if looped == num_clients else f"  (loop timed on {looped}, scaled)"
+    print(f"{num_clients:>5} | " + " | ".join(show(c) for c in cols) + scaled)
+  small = [n for n in cells if "vmap/xla" in cells[n]]
+  if small:
+    print("XLA's native convolution (vmap turns it into a grouped convolution):")
+    for n in small:
+      (lv, _), (vv, _) = cells[n]["loop/xla"], cells[n]["vmap/xla"]
+      print(f"{n:>5} | loop {n * steps / lv:.1f} | vmap {n * steps / vv:.1f} ({lv / vv:.2f}x)")
+  worst = min(cells[n]["loop"][0] / cells[n]["auto"][0] for n in cells)
+  print(f"auto ({auto}) / loop, worst over N: {worst:.2f}x")
+  if 64 in cells:
+    loop_gflops = cells[64]["loop"][1] / cells[64]["loop"][0] / 1e9
     print(
-      f"{num_clients:>5} | {rate('vmapped/im2col')} | {rate('loop/im2col')} | "
-      f"{ratio('vmapped/im2col', 'loop/im2col')} | {rate('vmapped/xla')} | "
-      f"{rate('loop/xla')} | {ratio('vmapped/xla', 'loop/xla')}{scaled}"
+      f"N=64: the loop runs at {loop_gflops:.1f} GFLOP/s, "
+      f"{100 * loop_gflops / peak:.0f}% of the matmul rate."
     )
-    if num_clients == 64:
-      loop_gflops = cell["loop/im2col"][1] / cell["loop/im2col"][0] / 1e9
-      summary = (
-        f"N=64: vmapped / loop = {ratio('vmapped/im2col', 'loop/im2col').strip()}. The loop "
-        f"runs at {loop_gflops:.1f} GFLOP/s, {100 * loop_gflops / peak:.0f}% of the matmul rate, "
-        f"so the same FLOPs run at that rate would be {peak / loop_gflops:.1f}x the loop."
-      )
-  if summary:
-    print(summary)
 
 
 if __name__ == "__main__":

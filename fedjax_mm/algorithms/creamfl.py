@@ -84,8 +84,9 @@ round; the regulariser sits under a ``jax.lax.cond`` in the local objective and
 costs nothing for the reamFL rows. :func:`server_only` is the "local training"
 row: step 1 alone.
 
-Clients of a group are stacked ``[K, ...]`` and trained in one ``jax.vmap`` of
-:func:`fedjax_mm.core.local_update` over :func:`local_objective`, which closes
+Clients of a group are stacked ``[K, ...]`` and trained together by
+:func:`fedjax_mm.core.train_group` (``vmap`` or a compiled loop, per backend) on
+:func:`local_objective`, which closes
 over each client's start-of-round parameters. Clients not selected are masked:
 they take no step and weigh 0 in every aggregate.
 
@@ -122,6 +123,7 @@ from fedjax_mm.core.client import (
   finite_per_client,
   local_update,
   supervised_objective,
+  train_group,
 )
 from fedjax_mm.core.sharding import replicate
 from fedjax_mm.core.tasks import masked_mean
@@ -695,9 +697,10 @@ def client_update(
   config: CreamConfig,
   max_steps: Array | None = None,
 ) -> tuple[ClientState, Array]:
-  """Step 4 for one group: ``E`` epochs of eq. (3), every client in one ``jax.vmap``.
+  """Step 4 for one group: ``E`` epochs of eq. (3), the clients batched by the engine.
 
-  Each client runs :func:`fedjax_mm.core.local_update` of its
+  :func:`fedjax_mm.core.train_group` runs each client's
+  :func:`fedjax_mm.core.local_update` of its
   :func:`local_objective` (private minibatch + ``gamma`` x regulariser on a
   public minibatch of :func:`public_batch_size`, every step), whose
   intra-modal negative is the client's model at the START of this call. Clients with ``active = False`` take no
@@ -709,31 +712,16 @@ def client_update(
     (the private loss alone for variants without a regulariser).
   """
   group = client.group
-  mask = data.sample_mask & active[:, None]
   steps_per_epoch = math.ceil(data.sample_mask.shape[1] / group.batch_size)
   b_public = public_batch_size(config, public["image"].shape[0], steps_per_epoch)
 
-  def one(params, opt_state, rng, arrays, sample_mask, budget):
-    objective = local_objective(
-      client, state.shared, params, public, global_reps, config, var, b_public
-    )
-    return local_update(
-      objective,
-      group.tx,
-      params,
-      opt_state,
-      rng,
-      arrays,
-      sample_mask,
-      num_epochs=group.local_epochs,
-      batch_size=group.batch_size,
-      max_steps=budget,
-    )
+  def objective(params):
+    return local_objective(client, state.shared, params, public, global_reps, config, var, b_public)
 
-  params, opt_state, rng, stats = jax.vmap(one)(
-    state.params, state.opt_state, state.rng, data.arrays, mask, max_steps
+  state, stats = train_group(
+    group, state, data, active=active, max_steps=max_steps, client_objective=objective
   )
-  return state.replace(params=params, opt_state=opt_state, rng=rng), stats["loss"]
+  return state, stats["loss"]
 
 
 # ----------------------------------------------------------------------------

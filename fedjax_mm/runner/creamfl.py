@@ -85,6 +85,7 @@ def _check_encoder(where: str, name: str, modality: str) -> None:
 def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
   validation.check_numbers(config, validation.CREAMFL)
+  validation.check_client_map(config)
   validation.check_faults(config)
   unknown = [m for m in config.methods if m not in METHODS]
   if unknown or not config.methods:
@@ -269,6 +270,7 @@ def build(config):
       num_clients=spec.num,
       local_epochs=config.local_epochs,
       batch_size=config.local_batch_size,
+      client_map=validation.check_client_map(config),
     )
     clients.append(creamfl.ClientGroup(group, modalities))
     states.append(state)

@@ -65,6 +65,7 @@ class User:
 def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDMUSCLE)
+  validation.check_client_map(config)
   validation.check_faults(config)
   users = tuple(User(i, u["encoder"], u["task"]) for i, u in enumerate(config.users))
   if len(users) < 2:
@@ -165,6 +166,7 @@ def build(config):
       trainable=models.trainable_filter(lora=model_config["lora_rank"] > 0),
       local_epochs=config.local_epochs,
       batch_size=spec.get("batch_size", config.local_batch_size),
+      client_map=validation.check_client_map(config),
     )
     groups.append(group)
     states.append(state)

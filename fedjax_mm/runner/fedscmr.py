@@ -138,6 +138,7 @@ def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
 def validate(config) -> None:
   """Checks a whole config before any work. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDSCMR)
+  validation.check_client_map(config)
   validation.check_faults(config)
   clients = config.clients
   if len(clients) < 2:
@@ -409,6 +410,7 @@ def build(config) -> Setup:
     num_clients=len(config.clients),
     local_epochs=config.local_epochs,
     batch_size=config.batch_size,
+    client_map=validation.check_client_map(config),
   )
   shared_test = {k: jnp.asarray(v) for k, v in pool.take(shared_idx).as_dict().items()}
   return Setup(group, state, *client_data, shared_test, num_classes, classes)
@@ -426,7 +428,7 @@ def _init_jitted(make, key):
   return graphdef, params
 
 
-def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size):
+def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size, client_map="auto"):
   """A group of ``num_clients`` identical models: :func:`fedjax_mm.core.init_group`
   with ``same_init=True`` (same key use, so the same parameters), jitted."""
   init_key, rng_key = jax.random.split(key)
@@ -448,6 +450,7 @@ def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size):
     task=task,
     local_epochs=local_epochs,
     batch_size=batch_size,
+    client_map=client_map,
   )
   return group, state
 

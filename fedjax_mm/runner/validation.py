@@ -51,6 +51,7 @@ __all__ = [
   "NON_NEGATIVE_INT",
   "POSITIVE",
   "Range",
+  "check_client_map",
   "check_faults",
   "check_numbers",
   "numeric_fields",
@@ -281,6 +282,21 @@ def check_numbers(config: Any, spec: Mapping[str, Range]) -> None:
     else:
       described = bounds
     raise ConfigError(f"{key} must be {described}, got {value!r}.")
+
+
+def check_client_map(config: Any) -> str:
+  """``config.client_map`` (default ``"auto"``), checked: how the engine batches clients.
+
+  See :func:`fedjax_mm.core.map_clients`; a bad value raises :class:`ConfigError`.
+  """
+  from fedjax_mm.core.client import parse_client_map  # jax, only when validating
+
+  spec = config.get("client_map", "auto") if callable(getattr(config, "get", None)) else "auto"
+  try:
+    parse_client_map(spec)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return spec
 
 
 def check_faults(config: Any) -> Faults:
