@@ -348,8 +348,10 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
   config = read_config(folder)
   model_type = _model_type(config, folder)
   tensors = load_file(str(folder / WEIGHTS_FILE))
-  model = _build(
-    model_type, config, tensors, lora_rank=lora_rank, rngs=overrides.get("rngs") or nnx.Rngs(0)
+  # Built abstractly: every base parameter comes from the checkpoint, so drawing
+  # random initial values (and compiling their initialisers) would be wasted.
+  model = nnx.eval_shape(
+    lambda: _build(model_type, config, tensors, lora_rank=lora_rank, rngs=nnx.Rngs(0))
   )
   names = torch_names(model)
   inside = _match(
@@ -362,14 +364,25 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
   wrong = []
   for name, (var, convert) in names.items():
     value = convert(np.asarray(inside[name], np.float32))
-    if value.shape != tuple(var[...].shape):
-      want = _TORCH_SHAPE[convert](tuple(var[...].shape))
+    if value.shape != tuple(var.shape):
+      want = _TORCH_SHAPE[convert](tuple(var.shape))
       wrong.append(f"{name} is {tuple(inside[name].shape)}, config.json implies {want}")
       continue
-    var[...] = jnp.asarray(value, var[...].dtype)
+    var.set_value(jnp.asarray(value, var.dtype))
   if wrong:
     raise HfError(f"checkpoint {folder}: tensors of the wrong shape: {_listing(wrong)}.")
+  _init_adapters(model, overrides.get("rngs") or nnx.Rngs(0))
   return model
+
+
+def _init_adapters(model: nnx.Module, rngs: nnx.Rngs) -> None:
+  """Initial LoRA adapters as ``nnx.LoRA`` draws them: ``A`` he-uniform, ``B = 0``."""
+  he_uniform = nnx.initializers.he_uniform()
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+    if path[-1] == "lora_a":
+      var.set_value(he_uniform(rngs.params(), var.shape, var.dtype))
+    else:
+      var.set_value(jnp.zeros(var.shape, var.dtype))
 
 
 # --- Tokenisation ----------------------------------------------------------------
