@@ -160,12 +160,15 @@ def test_minilm_in_the_zoo_pads_like_the_zoo(minilm):
   )
   assert user.modality == "text" and user.encoder.features == 384
   x = jnp.asarray(ids * mask)  # [PAD] is 0 in BERT's vocabulary and in the zoo
-  pooled, tokens = user.encoder(x)
-  np.testing.assert_allclose(pooled, hf.mean_pool(model(ids, mask).states, mask), atol=1e-5)
-  assert float(jnp.abs(tokens * (1 - mask[..., None])).max()) == 0.0
   longer = jnp.pad(x, ((0, 0), (0, 3)))  # appending PAD changes nothing
-  np.testing.assert_allclose(user.encoder(longer)[0], pooled, atol=1e-5)
-  assert user.forward(x)[1].shape == (3, 3)
+  (pooled, tokens), (pooled_longer, _), (_, logits) = _jit(
+    lambda u, x, y: (u.encoder(x), u.encoder(y), u.forward(x)), user
+  )(x, longer)
+  want = hf.mean_pool(_call(model)(ids, mask).states, mask)
+  np.testing.assert_allclose(pooled, want, atol=1e-5)
+  assert float(jnp.abs(tokens * (1 - mask[..., None])).max()) == 0.0
+  np.testing.assert_allclose(pooled_longer, pooled, atol=1e-5)
+  assert logits.shape == (3, 3)
 
 
 # --- Tiny random BERT: prefixes, heads, errors, LoRA -----------------------------------
@@ -256,7 +259,9 @@ def test_lora_adapts_attention_and_mlp_only(tiny_bert):
   adapted = hf.load(folder, ignore_heads=True, lora_rank=2, rngs=nnx.Rngs(3))
   ids = np.array([[5, 6, 7, 0]], np.int32)
   mask = (ids > 0).astype(np.int32)
-  np.testing.assert_allclose(adapted(ids, mask).states, plain(ids, mask).states, atol=1e-6)
+  np.testing.assert_allclose(
+    _call(adapted)(ids, mask).states, _call(plain)(ids, mask).states, atol=1e-6
+  )
   adapters = nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))
   layers = {".".join(map(str, p[:-2])) for p, _ in adapters}
   want = {
@@ -282,10 +287,12 @@ def test_lora_adapts_attention_and_mlp_only(tiny_bert):
   assert paths and all("lora" in p or p.startswith(("projector.", "head.")) for p in paths), paths
   x = jnp.asarray([[5, 6, 7, 0], [9, 0, 0, 0]], jnp.int32)
 
-  def loss(model):
-    return jnp.sum(model(x) ** 2)
+  graphdef, params, frozen = nnx.split(user, wrt, ...)  # the engine's split
 
-  grads = nnx.grad(loss, argnums=nnx.DiffState(0, wrt))(user)
+  def loss(params, frozen, x):
+    return jnp.sum(nnx.merge(graphdef, params, frozen)(x) ** 2)
+
+  grads = jax.jit(jax.grad(loss))(params, frozen, x)
   flat = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(grads)}
   assert set(flat) == set(paths)  # the base weights get no gradient at all
   assert any(float(jnp.abs(g).max()) > 0 for p, g in flat.items() if p.endswith("lora_b"))
@@ -339,10 +346,13 @@ def test_vit_in_the_zoo_gives_a_patch_grid(tiny_vit):
     {"encoder": f"hf:{folder}", "head": "segmentation", "num_outputs": 3}, rngs=nnx.Rngs(0)
   )
   x = jnp.asarray(np.random.default_rng(1).random((2, 16, 16, 3)), jnp.float32)
-  pooled, spatial = user.encoder(x)
+  (pooled, spatial), out, logits = _jit(
+    lambda u, x: (u.encoder(x), u.encoder.tower(x), u(x)), user
+  )(x)
   assert pooled.shape == (2, 32) and spatial.shape == (2, 4, 4, 32)
-  np.testing.assert_allclose(spatial[:, 0, 1], user.encoder.tower(x).states[:, 2], atol=1e-6)
-  assert user(x).shape == (2, 16, 16, 3)
+  np.testing.assert_allclose(pooled, out.pooled, atol=1e-6)
+  np.testing.assert_allclose(spatial[:, 0, 1], out.states[:, 2], atol=1e-6)  # row 0, column 1
+  assert logits.shape == (2, 16, 16, 3)
 
 
 # --- Tiny random CLIP ------------------------------------------------------------------
@@ -417,8 +427,7 @@ def test_clip_towers_alone_and_in_the_zoo(tiny_clip, tmp_path):
   vision_only = {k: v for k, v in tensors.items() if k.startswith("vision_model.")}
   tower = hf.load(_write(tmp_path / "vision", config.vision_config, vision_only))
   assert isinstance(tower, hf_clip.CLIPVisionTransformer)
-  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 16, 16, 3)), jnp.float32)
-  np.testing.assert_allclose(tower(x).pooled, full.vision_model(x).pooled, atol=1e-6)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(tower), nnx.state(full.vision_model))
 
   with pytest.raises(ValueError, match="both towers: set modality"):
     models.build({"encoder": f"hf:{folder}", "num_outputs": 2}, rngs=nnx.Rngs(0))
@@ -427,5 +436,8 @@ def test_clip_towers_alone_and_in_the_zoo(tiny_clip, tmp_path):
   )
   assert isinstance(text_user.encoder.tower, hf_clip.CLIPTextTransformer)
   ids = jnp.asarray([[58, 7, 9, 59, 0, 0]], jnp.int32)
-  pooled, _ = text_user.encoder(ids)
-  np.testing.assert_allclose(pooled, full.text_model(ids, ids > 0).pooled, atol=1e-6)
+  text_user.encoder.tower = full.text_model  # the same weights: compare one pass each
+  pooled, want = _jit(lambda u, i: (u.encoder(i)[0], u.encoder.tower(i, i > 0).pooled), text_user)(
+    ids
+  )
+  np.testing.assert_allclose(pooled, want, atol=1e-6)
