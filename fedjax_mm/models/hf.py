@@ -38,11 +38,17 @@ buffers (``position_ids``) are skipped. Every parameter must be filled and
 every other tensor used: :class:`HfError` names the missing, unexpected and
 mis-shaped tensors. Pooler layers are built only when the checkpoint has them.
 
+**Loading** builds the module abstractly (``nnx.eval_shape``: no random
+initial values, no initialisers compiled), then sets every base parameter from
+the checkpoint.
+
 **LoRA.** ``load(path, lora_rank=r)`` builds every attention projection
 (query/key/value/output) and MLP dense layer with
-:func:`fedjax_mm.models.lora.dense`: the adapters are ``nnx.LoRAParam`` with
-``B = 0``, so the loaded model's outputs are unchanged until they train, and
-:func:`fedjax_mm.models.trainable_filter` selects them alone.
+:func:`fedjax_mm.models.lora.dense`; the adapters (``nnx.LoRAParam``) are
+drawn from the ``rngs`` override after loading, ``A`` he-uniform and ``B = 0``
+as ``nnx.LoRA`` draws them, so the loaded model's outputs are unchanged until
+they train, and :func:`fedjax_mm.models.trainable_filter` selects them alone
+(the base weights, embeddings and norms stay frozen).
 
 **In the zoo.** ``models.build({"encoder": "hf:/path", ...})`` wraps the
 encoder in :class:`ZooEncoder`, which keeps the zoo's ``(pooled, spatial)``
