@@ -298,6 +298,32 @@ def test_lora_adapts_attention_and_mlp_only(tiny_bert):
   assert any(float(jnp.abs(g).max()) > 0 for p, g in flat.items() if p.endswith("lora_b"))
 
 
+def test_hf_user_models_stack_and_vmap_like_the_zoos(tiny_bert):
+  """The engine's pattern: one graphdef (hashable, static), client states stacked, vmap."""
+  folder, _, _ = tiny_bert
+  user = models.build(
+    {"encoder": f"hf:{folder}", "num_outputs": 3, "lora_rank": 2, "rep_dim": 8}, rngs=nnx.Rngs(0)
+  )
+  graphdef, state = nnx.split(user)
+  hash(graphdef)
+  path = next(p for p, _ in nnx.to_flat_state(nnx.state(user, nnx.LoRAParam)) if p[-1] == "lora_b")
+  b = user
+  for key in path:
+    b = b[key] if isinstance(key, int) else getattr(b, key)
+  states = []
+  for k in range(2):  # two clients whose first adapter's B differs
+    b[...] = jax.random.normal(jax.random.key(k), b.shape)  # not constant: LayerNorm'd away
+    states.append(jax.tree.map(jnp.array, nnx.state(user)))
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  x = jnp.asarray([[[5, 6, 7, 0]], [[8, 0, 0, 0]]], jnp.int32)  # [clients, b, L]
+  run = jax.jit(jax.vmap(lambda s, x: nnx.merge(graphdef, s).represent(x)))
+  got = run(stacked, x)
+  one = jax.jit(lambda s, x: nnx.merge(graphdef, s).represent(x))
+  for k in range(2):
+    np.testing.assert_allclose(got[k], one(states[k], x[k]), atol=1e-6)
+  assert not np.allclose(got[0], one(states[1], x[0]), atol=1e-4)
+
+
 # --- Tiny random ViT -------------------------------------------------------------------
 
 VIT = dict(
