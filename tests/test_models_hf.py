@@ -366,19 +366,24 @@ def test_vit_matches_flax_vit(tiny_vit, tmp_path):
   np.testing.assert_allclose(out.pooled, got.states[:, 0], atol=1e-5)
 
 
-def test_vit_in_the_zoo_gives_a_patch_grid(tiny_vit):
-  folder, _, _ = tiny_vit
+def test_vit_in_the_zoo_resizes_normalises_and_gives_a_patch_grid(tiny_vit, tmp_path):
+  folder, tensors, config = tiny_vit
+  folder = _write(tmp_path / "vit", config, tensors)
+  processor = {"image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3], "resample": 2}
+  (tmp_path / "vit" / "preprocessor_config.json").write_text(json.dumps(processor))
   user = models.build(
     {"encoder": f"hf:{folder}", "head": "segmentation", "num_outputs": 3}, rngs=nnx.Rngs(0)
   )
-  x = jnp.asarray(np.random.default_rng(1).random((2, 16, 16, 3)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).random((2, 8, 8, 3)), jnp.float32)  # the zoo's [0, 1]
+  big = jax.image.resize(x, (2, 16, 16, 3), "linear")
+  pixels = (big - jnp.asarray(processor["image_mean"])) / jnp.asarray(processor["image_std"])
   (pooled, spatial), out, logits = _jit(
-    lambda u, x: (u.encoder(x), u.encoder.tower(x), u(x)), user
-  )(x)
+    lambda u, x, p: (u.encoder(x), u.encoder.tower(p), u(x)), user
+  )(x, pixels)
   assert pooled.shape == (2, 32) and spatial.shape == (2, 4, 4, 32)
-  np.testing.assert_allclose(pooled, out.pooled, atol=1e-6)
-  np.testing.assert_allclose(spatial[:, 0, 1], out.states[:, 2], atol=1e-6)  # row 0, column 1
-  assert logits.shape == (2, 16, 16, 3)
+  np.testing.assert_allclose(pooled, out.pooled, atol=1e-5)
+  np.testing.assert_allclose(spatial[:, 0, 1], out.states[:, 2], atol=1e-5)  # row 0, column 1
+  assert logits.shape == (2, 8, 8, 3)
 
 
 # --- Tiny random CLIP ------------------------------------------------------------------

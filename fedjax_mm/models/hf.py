@@ -53,7 +53,8 @@ they train, and :func:`fedjax_mm.models.trainable_filter` selects them alone
 **In the zoo.** ``models.build({"encoder": "hf:/path", ...})`` wraps the
 encoder in :class:`ZooEncoder`, which keeps the zoo's ``(pooled, spatial)``
 contract (PAD id 0 masks text; mean pooling for BERT, the checkpoint's pooled
-output otherwise; image patch tokens on their grid).
+output otherwise; images resized to the checkpoint's size and normalised as
+its ``preprocessor_config.json`` says; image patch tokens on their grid).
 
 Tokenisation uses ``transformers``' tokenizer from the same folder
 (:func:`tokenizer`); the library imports ``transformers`` for nothing else.
@@ -431,14 +432,22 @@ def encode_texts(
 PAD_ID = 0
 
 
+#: PIL resampling codes of ``preprocessor_config.json`` -> ``jax.image.resize`` methods.
+_RESAMPLE = {0: "nearest", 2: "linear", 3: "cubic"}
+
+
 class ZooEncoder(nnx.Module):
   """An HF tower behind the zoo's encoder contract (``x -> (pooled, spatial)``).
 
   * text: ``x`` int ``[b, L]`` with PAD = 0; ``spatial`` is the token states,
     exactly 0 at PAD; ``pooled`` the masked mean of the states (BERT: the
     sentence-transformers embedding) or, for CLIP's text tower, its EOS state.
-  * image: ``x`` ``[b, H, W, C]`` at the checkpoint's ``image_size`` (already
-    normalised as its processor does); ``pooled`` the checkpoint's pooled
+  * image: ``x`` ``[b, H, W, C]`` in ``[0, 1]`` as the zoo's data gives it; an
+    image of another size is resized to the checkpoint's ``image_size`` (the
+    processor's resampling, bilinear by default), then normalised with the
+    processor's ``image_mean`` / ``image_std`` when the folder has a
+    ``preprocessor_config.json`` (what ``transformers``' image processors do
+    after rescaling to ``[0, 1]``). ``pooled`` is the checkpoint's pooled
     output, ``spatial`` the patch tokens on their ``grid x grid`` map.
 
   Attributes:
@@ -446,13 +455,23 @@ class ZooEncoder(nnx.Module):
     features, spatial_features, modality: as the zoo's encoders.
   """
 
-  def __init__(self, tower: nnx.Module):
+  def __init__(
+    self,
+    tower: nnx.Module,
+    *,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
+    resample: str = "linear",
+  ):
     self.tower = tower
     self.modality = tower.modality
     self.features = tower.features
     self.mean = isinstance(tower, hf_bert.BertModel)
     if self.modality == "image":
       self.spatial_features = tower.width
+      self.image_mean = None if image_mean is None else tuple(map(float, image_mean))
+      self.image_std = None if image_std is None else tuple(map(float, image_std))
+      self.resample = resample
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     if self.modality == "text":
@@ -460,17 +479,37 @@ class ZooEncoder(nnx.Module):
       out = self.tower(x, mask.astype(jnp.int32))
       states = out.states * mask[..., None]
       return (mean_pool(states, mask) if self.mean else out.pooled), states
+    size = self.tower.config.image_size
+    if x.ndim == 4 and x.shape[1:3] != (size, size):
+      x = jax.image.resize(x, (x.shape[0], size, size, x.shape[3]), self.resample)
+    if self.image_mean is not None:
+      x = (x - jnp.asarray(self.image_mean, x.dtype)) / jnp.asarray(self.image_std, x.dtype)
     out = self.tower(x)
     g = self.tower.grid
     return out.pooled, out.states[:, 1:].reshape(x.shape[0], g, g, -1)
 
 
+def _processor(folder: pathlib.Path) -> dict[str, Any]:
+  """``ZooEncoder`` keywords from the folder's ``preprocessor_config.json`` (if any)."""
+  file = folder / "preprocessor_config.json"
+  if not file.is_file():
+    return {}
+  body = json.loads(file.read_text())
+  out = {"resample": _RESAMPLE.get(body.get("resample"), "linear")}
+  if body.get("do_normalize", True) and "image_mean" in body and "image_std" in body:
+    out.update(image_mean=body["image_mean"], image_std=body["image_std"])
+  return out
+
+
 def zoo_encoder(
   name: str, *, modality: str | None = None, lora_rank: int = 0, rngs: nnx.Rngs | None = None
 ) -> ZooEncoder:
-  """:class:`ZooEncoder` for an ``"hf:<folder>"`` encoder name (CLIP: ``modality`` picks a tower)."""
+  """:class:`ZooEncoder` for an ``"hf:<folder>"`` encoder name (CLIP: ``modality`` picks a tower).
+
+  Task-head tensors of the checkpoint are dropped (``ignore_heads=True``).
+  """
   found = _modality(name, modality)
   model = load(name, lora_rank=lora_rank, rngs=rngs, ignore_heads=True)
   if isinstance(model, hf_clip.CLIPModel):
     model = model.text_model if found == "text" else model.vision_model
-  return ZooEncoder(model)
+  return ZooEncoder(model, **(_processor(resolve(name)) if found == "image" else {}))
