@@ -115,6 +115,15 @@ def _reference(cls, folder):
   return model, unflatten_dict({k: jnp.asarray(converted[k]) for k in required})
 
 
+def _ref_forward(ref, params, **inputs):
+  """The reference's Flax module applied under ``jit`` (its eager wrapper takes seconds here).
+
+  Inputs go to the module as the wrapper would pass them: images channels-last
+  (the wrapper's NCHW -> NHWC transpose skipped), CLIP's ``position_ids`` given.
+  """
+  return jax.jit(lambda p, kw: ref.module.apply({"params": p}, **kw))(params, inputs)
+
+
 # --- all-MiniLM-L6-v2: real weights --------------------------------------------------
 
 
@@ -122,17 +131,18 @@ def _reference(cls, folder):
 def minilm():
   folder = hf.resolve("all-MiniLM-L6-v2")
   ids, mask = hf.encode_texts(folder, SENTENCES)
-  return folder, hf.load(folder), ids, mask
+  model = hf.load(folder)
+  forward = _call(model)
+  return folder, model, forward, ids, mask, forward(ids, mask)
 
 
 def test_minilm_matches_flax_bert(minilm):
-  folder, model, ids, mask = minilm
+  folder, model, _, ids, mask, got = minilm
   assert isinstance(model, hf_bert.BertModel)
   assert (model.config.num_hidden_layers, model.features) == (6, 384)
   assert mask.min() == 0  # the batch is padded: the masks matter
   ref, params = _reference(FlaxBertModel, str(folder))
-  want = ref(input_ids=ids, attention_mask=mask, params=params)
-  got = _call(model)(ids, mask)
+  want = _ref_forward(ref, params, input_ids=ids, attention_mask=mask)
 
   states = _max_abs(got.states, want.last_hidden_state)
   m = mask[..., None].astype(np.float64)
@@ -146,15 +156,15 @@ def test_minilm_matches_flax_bert(minilm):
 
 
 def test_minilm_sentence_embeddings_are_semantic(minilm):
-  folder, model, _, _ = minilm
+  folder, _, forward, _, _, _ = minilm
   ids, mask = hf.encode_texts(folder, ["a dog runs", "a puppy is running", "stock market prices"])
-  e = models.l2_normalize(hf.mean_pool(_call(model)(ids, mask).states, mask))
+  e = models.l2_normalize(hf.mean_pool(forward(ids, mask).states, mask))
   sim = np.asarray(e @ e.T)
   assert sim[0, 1] > sim[0, 2] + 0.2
 
 
 def test_minilm_in_the_zoo_pads_like_the_zoo(minilm):
-  folder, model, ids, mask = minilm
+  _, _, _, ids, mask, out = minilm
   user = models.build(
     {"encoder": "hf:all-MiniLM-L6-v2", "head": "linear", "num_outputs": 3}, rngs=nnx.Rngs(0)
   )
@@ -164,7 +174,7 @@ def test_minilm_in_the_zoo_pads_like_the_zoo(minilm):
   (pooled, tokens), (pooled_longer, _), (_, logits) = _jit(
     lambda u, x, y: (u.encoder(x), u.encoder(y), u.forward(x)), user
   )(x, longer)
-  want = hf.mean_pool(_call(model)(ids, mask).states, mask)
+  want = hf.mean_pool(out.states, mask)
   np.testing.assert_allclose(pooled, want, atol=1e-5)
   assert float(jnp.abs(tokens * (1 - mask[..., None])).max()) == 0.0
   np.testing.assert_allclose(pooled_longer, pooled, atol=1e-5)
@@ -207,7 +217,7 @@ def test_tiny_bert_with_prefix_and_token_types(tiny_bert):
   mask = np.array([[1] * 7, [1] * 4 + [0] * 3], np.int32)
   types = np.array([[0] * 3 + [1] * 4, [0] * 7], np.int32)
   got = _call(model)(ids, mask, types)
-  want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types, params=params)
+  want = _ref_forward(ref, params, input_ids=ids, attention_mask=mask, token_type_ids=types)
   assert _max_abs(got.states, want.last_hidden_state) < TOL
   assert _max_abs(got.pooled, want.pooler_output) < TOL
 
@@ -351,7 +361,7 @@ def test_vit_matches_flax_vit(tiny_vit, tmp_path):
   ref, params = _reference(FlaxViTModel, folder)
   x = np.random.default_rng(0).standard_normal((2, 16, 16, 3)).astype(np.float32)
   got = _call(model)(x)
-  want = ref(pixel_values=x.transpose(0, 3, 1, 2), params=params)
+  want = _ref_forward(ref, params, pixel_values=x)
   diffs = _max_abs(got.states, want.last_hidden_state), _max_abs(got.pooled, want.pooler_output)
   print(f"ViT max |diff|: states {diffs[0]:.2e}, pooled {diffs[1]:.2e}")
   assert max(diffs) < TOL
@@ -433,11 +443,13 @@ def test_clip_matches_flax_clip(tiny_clip):
   mask = (np.arange(8)[None] < lengths[:, None]).astype(np.int32)
   x = rng.standard_normal((2, 16, 16, 3)).astype(np.float32)
 
-  got = jax.jit(lambda i, x, m: model(i, x, m))(ids, x, mask)
-  want = ref(
-    input_ids=ids, pixel_values=x.transpose(0, 3, 1, 2), attention_mask=mask, params=params
+  got, text, vision = _jit(
+    lambda m, i, x, k: (m(i, x, k), m.text_model(i, k), m.vision_model(x)), model
+  )(ids, x, mask)
+  positions = np.broadcast_to(np.arange(8), ids.shape)
+  want = _ref_forward(
+    ref, params, input_ids=ids, pixel_values=x, attention_mask=mask, position_ids=positions
   )
-  text, vision = model.text_model(ids, mask), model.vision_model(x)
   diffs = {
     "text states": _max_abs(text.states, want.text_model_output.last_hidden_state),
     "text pooled": _max_abs(text.pooled, want.text_model_output.pooler_output),
