@@ -27,15 +27,17 @@ from transformers import (
   AutoConfig,
   BertConfig,
   CLIPConfig,
+  DistilBertConfig,
   FlaxBertModel,
   FlaxCLIPModel,
+  FlaxDistilBertModel,
   FlaxViTModel,
   ViTConfig,
 )
 from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
 
 from fedjax_mm import models
-from fedjax_mm.models import hf, hf_bert, hf_clip, hf_vit
+from fedjax_mm.models import hf, hf_bert, hf_clip, hf_distilbert, hf_vit
 
 TOL = 1e-4
 SENTENCES = [
@@ -220,6 +222,23 @@ def test_tiny_bert_with_prefix_and_token_types(tiny_bert):
   want = _ref_forward(ref, params, input_ids=ids, attention_mask=mask, token_type_ids=types)
   assert _max_abs(got.states, want.last_hidden_state) < TOL
   assert _max_abs(got.pooled, want.pooler_output) < TOL
+
+
+def test_tiny_distilbert_matches_flax_distilbert(tmp_path):
+  config = DistilBertConfig(
+    vocab_size=50, max_position_embeddings=16, n_layers=2, n_heads=4, dim=32, hidden_dim=37
+  )
+  tensors = _torch_state(FlaxDistilBertModel(config, _do_init=False).params_shape_tree, seed=4)
+  folder = _write(tmp_path, config, {"distilbert." + k: v for k, v in tensors.items()})
+  model = hf.load(folder)
+  assert isinstance(model, hf_distilbert.DistilBertModel)
+  ref, params = _reference(FlaxDistilBertModel, folder)
+  ids = np.random.default_rng(0).integers(1, 50, (2, 7)).astype(np.int32)
+  mask = np.array([[1] * 7, [1] * 4 + [0] * 3], np.int32)
+  got = _call(model)(ids, mask)
+  want = _ref_forward(ref, params, input_ids=ids, attention_mask=mask)
+  assert _max_abs(got.states, want.last_hidden_state) < TOL
+  np.testing.assert_array_equal(got.pooled, got.states[:, 0])
 
 
 def _rewrite(tmp_path, tiny_bert, edit, config_edit=None):

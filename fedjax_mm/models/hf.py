@@ -14,6 +14,7 @@ OIHW). :func:`load` reads the config, builds the matching module and fills it::
 | ``model_type``        | module                                   | input                    |
 |-----------------------|------------------------------------------|--------------------------|
 | ``bert`` (MiniLM, ..) | :class:`~.hf_bert.BertModel`              | ``(input_ids, mask)``    |
+| ``distilbert``        | :class:`~.hf_distilbert.DistilBertModel`  | ``(input_ids, mask)``    |
 | ``vit``               | :class:`~.hf_vit.ViTModel`                | ``[b, H, W, C]`` pixels  |
 | ``clip``              | :class:`~.hf_clip.CLIPModel` (both towers, projections, ``logit_scale``) | both |
 | ``clip_text_model``   | :class:`~.hf_clip.CLIPTextTransformer`    | ``(input_ids, mask)``    |
@@ -31,7 +32,7 @@ module's type, and the layout converted:
 * raw parameters (``cls_token``, ``class_embedding``, ``logit_scale``) keep theirs.
 
 A checkpoint saved from a model with a task head nests the encoder under its
-base prefix (``bert.``, ``vit.``; ``text_model.`` / ``vision_model.`` for a
+base prefix (``bert.``, ``distilbert.``, ``vit.``; ``text_model.`` / ``vision_model.`` for a
 single CLIP tower); the prefix is stripped, and the head's tensors (``cls.*``,
 ``classifier.*``) are an error unless ``ignore_heads=True``. Non-parameter
 buffers (``position_ids``) are skipped. Every parameter must be filled and
@@ -73,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fedjax_mm.models import hf_bert, hf_clip, hf_vit
+from fedjax_mm.models import hf_bert, hf_clip, hf_distilbert, hf_vit
 from fedjax_mm.models.hf_layers import EncoderOutput, PatchEmbed, from_dict, mean_pool
 
 __all__ = [
@@ -106,12 +107,13 @@ PACKAGED: dict[str, tuple[str, str]] = {
 #: ``model_type`` -> (family, base prefixes a task model nests the encoder under).
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
   "bert": ("bert", ("bert.",)),
+  "distilbert": ("bert", ("distilbert.",)),
   "vit": ("vit", ("vit.",)),
   "clip": ("clip", ()),
   "clip_text_model": ("clip_text", ("text_model.",)),
   "clip_vision_model": ("clip_vision", ("vision_model.",)),
 }
-_ARCHITECTURES = {"Bert": "bert", "ViT": "vit", "CLIPText": "clip_text_model"}
+_ARCHITECTURES = {"Bert": "bert", "DistilBert": "distilbert", "ViT": "vit"}
 _BUFFERS = ("position_ids", "num_batches_tracked")
 _OVERRIDES = ("lora_rank", "rngs", "ignore_heads")
 
@@ -213,6 +215,9 @@ def _build(
     return hf_bert.BertModel(
       c, pooler=_has(tensors, "pooler.dense.weight"), lora_rank=lora_rank, rngs=rngs
     )
+  if model_type == "distilbert":
+    c = from_dict(hf_distilbert.DistilBertConfig, config)
+    return hf_distilbert.DistilBertModel(c, lora_rank=lora_rank, rngs=rngs)
   if model_type == "vit":
     c = from_dict(hf_vit.ViTConfig, config)
     return hf_vit.ViTModel(
@@ -440,8 +445,8 @@ class ZooEncoder(nnx.Module):
   """An HF tower behind the zoo's encoder contract (``x -> (pooled, spatial)``).
 
   * text: ``x`` int ``[b, L]`` with PAD = 0; ``spatial`` is the token states,
-    exactly 0 at PAD; ``pooled`` the masked mean of the states (BERT: the
-    sentence-transformers embedding) or, for CLIP's text tower, its EOS state.
+    exactly 0 at PAD; ``pooled`` the masked mean of the states (BERT,
+    DistilBERT; for MiniLM the sentence-transformers embedding) or, for CLIP's text tower, its EOS state.
   * image: ``x`` ``[b, H, W, C]`` in ``[0, 1]`` as the zoo's data gives it; an
     image of another size is resized to the checkpoint's ``image_size`` (the
     processor's resampling, bilinear by default), then normalised with the
@@ -466,7 +471,7 @@ class ZooEncoder(nnx.Module):
     self.tower = tower
     self.modality = tower.modality
     self.features = tower.features
-    self.mean = isinstance(tower, hf_bert.BertModel)
+    self.mean = isinstance(tower, (hf_bert.BertModel, hf_distilbert.DistilBertModel))
     if self.modality == "image":
       self.spatial_features = tower.width
       self.image_mean = None if image_mean is None else tuple(map(float, image_mean))
