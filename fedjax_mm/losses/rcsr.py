@@ -62,13 +62,13 @@ __all__ = [
 ]
 
 TAU_NCE = 0.07
-_EPS = 1e-12
+_EPS = 1e-12  # squared: 1e-24, still a normal float32
 
 
 def normalize(x: Array, axis: int = -1) -> Array:
-  """``x / ||x||`` along ``axis`` (0 stays 0)."""
-  norm = jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=True))
-  return x / jnp.maximum(norm, _EPS)
+  """``x / ||x||`` along ``axis``; 0 stays 0 with a finite (zero) gradient."""
+  sq = jnp.sum(x * x, axis=axis, keepdims=True)
+  return x * jax.lax.rsqrt(jnp.maximum(sq, _EPS * _EPS))
 
 
 def cosine(a: Array, b: Array) -> Array:
