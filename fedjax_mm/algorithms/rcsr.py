@@ -254,6 +254,7 @@ class RcsrState:
   prototypes: Array  # [2, d] EMA prototypes (pbar_I, pbar_T)
   prev_update: Array  # [P] last global update (gamma_k's entry 2)
   last_wr: Array  # [N] each client's last w^R (eq. 13's input)
+  personalised: Array  # bool: evaluate with the personal adapters (RCSR-p's state)
 
 
 def token_dim(dim: int) -> int:
@@ -449,6 +450,7 @@ def init(
     prototypes=protos,
     prev_update=jnp.zeros_like(_flat(global_params)),
     last_wr=jnp.full((n,), 1.0 / spec.per_round),
+    personalised=jnp.zeros((), bool),
   )
 
 
@@ -560,6 +562,7 @@ def round_step(
     prototypes=prototypes,
     prev_update=step,
     last_wr=last_wr,
+    personalised=state.personalised,
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
   del rng
