@@ -71,7 +71,9 @@ def validate(config) -> None:
 def _encoders(config):
   rngs = nnx.Rngs(config.seed)
   img = image_models.vit_t(image_size=config.image_size, rngs=rngs)
-  txt = text_models.transformer_t(max_len=config.max_caption_len, rngs=rngs)
+  txt = text_models.transformer_t(
+    vocab_size=len(world.VOCAB), max_len=config.max_caption_len, rngs=rngs
+  )
   if config.pretrained:
     pretrained.load_into(img, "world-clip/vit_t")
     pretrained.load_into(txt, "world-clip/transformer_t")
