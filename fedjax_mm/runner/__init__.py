@@ -72,6 +72,7 @@ EXPERIMENTS = {
   "fedmuscle": "fedjax_mm.runner.fedmuscle",
   "fedscmr": "fedjax_mm.runner.fedscmr",
   "pretrain": "fedjax_mm.runner.pretrain",
+  "rcsr": "fedjax_mm.runner.rcsr",
 }
 
 

@@ -1,0 +1,580 @@
+r"""RCSR and RCSR-p (Algorithm 1, eqs. 2-13) and their FedAvg / FedProx baselines.
+
+Paper: ``../shared/papers/rcsr.txt``. Pure losses live in
+:mod:`fedjax_mm.losses.rcsr` (eqs. 2-5), server transforms in
+:mod:`fedjax_mm.server.rcsr` (eqs. 6-11, 13); this module is the model and the
+round.
+
+**Model.** Frozen image and text encoders (the library's ViT / text Transformer,
+optionally filled with the shipped World-CLIP weights, as the paper freezes CLIP
+ViT-B/32), a bottleneck adapter ``x + W_up ReLU(W_down LN(x))`` after every block of
+both encoders (Houlsby-style, sequential; the paper gives only the dimension 64, we
+scale it), ``W_down ~ N(0, 0.01)``, ``W_up ~ N(0, 0.01)`` (Sec. 5.1: "adapters
+initialised N(0, 0.01)"), and a 2-layer ReLU MLP head per modality (``N(0, 0.02)``
+kernels) to L2-normalised ``d``-dim embeddings. Only adapters and heads are trained
+and sent (``global`` parameters); the encoders stay in ``frozen``; RCSR-p's residual
+adapter ``A_k(z) = W2 GELU(W1 z)`` (eq. 12; ``W2 ~ N(0, 1e-4)``, "near zero") is the
+client's ``personal`` state.
+
+**Clients in one program.** Every client holds both arrays (the missing modality
+zeroed); its modality mask ``m_k`` picks the loss (eq. 5) and **masks the update**
+of the missing tower after AdamW (decoupled weight decay would otherwise move
+parameters with zero gradient), so an image-only client's text adapters and head
+come back bit-identical. The round gathers the ``floor(C N)`` sampled clients,
+trains them with :func:`fedjax_mm.core.client.map_clients` over
+:func:`fedjax_mm.core.client.local_update`, and scatters the personal state back.
+
+**Methods as numbers.** FedAvg, FedProx, RCSR and RCSR-p differ only in the traced
+scalars of :class:`Method` (prototype-proximal and parameter-proximal weights,
+FedProx mu, router on, q on, personalisation on), so every method runs the same
+compiled round. FedAvg / FedProx single-modality clients use L_anchor to the EMA
+prototypes (Sec. 5.1), which therefore are kept for them too; their aggregation
+weights are ``|D_k| / sum |D_j|``.
+
+Choices where the paper is silent (declared):
+
+* Local optimiser: AdamW (lr, weight decay 0.01), reset at every round (clients keep
+  no optimiser state between rounds); the round's learning rate follows a cosine
+  schedule over the rounds with a linear warm-up of ``lr_warmup`` rounds, constant
+  within a round.
+* Captions: one of the world's captions per image, drawn per step (train); caption 0
+  at evaluation.
+* RCSR-p: the personal step is taken *simultaneously* with each shared step (its
+  gradient at the same point, the shared embeddings under stop-gradient), with its
+  own AdamW at 0.1 x lr; ``z~`` is re-normalised before L_NCE / L_anchor; the same
+  ``A_k`` is applied to image and text embeddings; ``s_k`` (eq. 13) uses the
+  client's w^R from the last round it was sampled in (unsampled clients keep their
+  last value; the initial value is 1/floor(C N)); personalisation starts at round
+  ``personal_start`` (T_p).
+* The reported loss ``l_k`` is the mean local training loss of the round; the
+  reported prototypes are computed after training over all the client's samples;
+  gamma_k as :func:`fedjax_mm.server.rcsr.geometry`.
+* Router optimiser: Adam at the router lr (1e-3), one step per round after warm-up
+  (t > T_w); before that w^R = |D_k| / sum |D_j| and the router is untouched.
+* Global prototypes start as the mean of the frozen initial model's normalised
+  embeddings of every client's available modality (the server has no data; this is
+  the first round's clients' prototype report, computed once at init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
+from fedjax_mm.losses import rcsr as L
+from fedjax_mm.server import rcsr as S
+
+Array = jax.Array
+PyTree = Any
+
+GLOBAL = nnx.Any(
+  nnx.PathContains("image_adapters"),
+  nnx.PathContains("text_adapters"),
+  nnx.PathContains("image_head"),
+  nnx.PathContains("text_head"),
+)
+PERSONAL = nnx.PathContains("personal")
+
+
+class BottleneckAdapter(nnx.Module):
+  """``x + W_up ReLU(W_down LN(x))`` on ``[..., w]`` tokens."""
+
+  def __init__(self, width: int, dim: int, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.01)
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.down = nnx.Linear(width, dim, kernel_init=init, rngs=rngs)
+    self.up = nnx.Linear(dim, width, kernel_init=init, rngs=rngs)
+
+  def __call__(self, x: Array) -> Array:
+    return x + self.up(jax.nn.relu(self.down(self.norm(x))))
+
+
+class Head(nnx.Module):
+  """2-layer ReLU MLP projection ``w -> hidden -> d`` (``N(0, 0.02)`` kernels)."""
+
+  def __init__(self, width: int, hidden: int, dim: int, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.02)
+    self.fc1 = nnx.Linear(width, hidden, kernel_init=init, rngs=rngs)
+    self.fc2 = nnx.Linear(hidden, dim, kernel_init=init, rngs=rngs)
+
+  def __call__(self, x: Array) -> Array:
+    return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+class Personal(nnx.Module):
+  """RCSR-p's residual adapter ``A_k(z) = W2 GELU(W1 z)`` (eq. 12), ``W2`` near zero."""
+
+  def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+    self.w1 = nnx.Linear(dim, hidden, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.w2 = nnx.Linear(hidden, dim, kernel_init=nnx.initializers.normal(1e-4), rngs=rngs)
+
+  def __call__(self, z: Array) -> Array:
+    return self.w2(jax.nn.gelu(self.w1(z)))
+
+
+class RcsrModel(nnx.Module):
+  """Frozen dual encoder + per-block adapters + heads (+ the personal adapter)."""
+
+  def __init__(
+    self,
+    image_encoder: nnx.Module,
+    text_encoder: nnx.Module,
+    *,
+    adapter_dim: int,
+    head_hidden: int,
+    dim: int,
+    personal_hidden: int,
+    rngs: nnx.Rngs,
+  ):
+    self.image_encoder = image_encoder
+    self.text_encoder = text_encoder
+    wi, wt = image_encoder.features, text_encoder.features
+    self.image_adapters = nnx.List(
+      [BottleneckAdapter(wi, adapter_dim, rngs=rngs) for _ in image_encoder.blocks]
+    )
+    self.text_adapters = nnx.List(
+      [BottleneckAdapter(wt, adapter_dim, rngs=rngs) for _ in text_encoder.blocks]
+    )
+    self.image_head = Head(wi, head_hidden, dim, rngs=rngs)
+    self.text_head = Head(wt, head_hidden, dim, rngs=rngs)
+    self.personal = Personal(dim, personal_hidden, rngs=rngs)
+
+  def embed_image(self, x: Array) -> Array:
+    """``[b, S, S, C] -> [b, d]`` normalised (the ViT's forward with adapters)."""
+    enc = self.image_encoder
+    b, _, _, c = x.shape
+    g, p = enc.grid, enc.patch
+    patches = x.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, g * g, p * p * c)
+    tokens = enc.embed(patches) + enc.pos[...]
+    for block, adapter in zip(enc.blocks, self.image_adapters, strict=True):
+      tokens = adapter(block(tokens))
+    pooled = enc.norm(tokens).mean(axis=1)
+    return L.normalize(self.image_head(pooled))
+
+  def embed_text(self, x: Array) -> Array:
+    """``[b, L] int -> [b, d]`` normalised (the text Transformer's forward with adapters)."""
+    enc = self.text_encoder
+    mask = x != 0
+    h = enc.embed(x) + enc.pos[: x.shape[1]]
+    for block, adapter in zip(enc.blocks, self.text_adapters, strict=True):
+      h = adapter(block(h, mask))
+    h = enc.norm(h) * mask[..., None]
+    pooled = (h * mask[..., None]).sum(1) / jnp.maximum(mask.sum(1), 1)[:, None]
+    return L.normalize(self.text_head(pooled))
+
+  def personalise(self, z: Array, strength: Array) -> Array:
+    """Eq. (12), re-normalised: ``normalize(z + s_k A_k(z))``."""
+    return L.normalize(z + strength * self.personal(z))
+
+
+@dataclasses.dataclass(frozen=True)
+class RcsrDef:
+  """Static side of the system (hashable; closed over by the jitted round)."""
+
+  graphdef: Any
+  num_clients: int
+  per_round: int  # floor(C N)
+  rounds: int
+  dim: int = 32
+  batch_size: int = 32
+  local_epochs: int = 1
+  lr: float = 1e-4
+  weight_decay: float = 0.01
+  lr_warmup: int = 5
+  temperature: float = L.TAU_NCE
+  lambda_anc: float = 1.0
+  router_lr: float = 1e-3
+  router_heads: int = 4
+  router_width: int = 128
+  router_layers: int = 2
+  betas: tuple[float, float] = (1.0, 1.0)
+  beta_4: float = 0.2
+  beta_5: float = 0.3
+  warmup_rounds: int = 20  # T_w
+  eta_q: float = 0.1
+  fair_momentum: float = 0.9
+  proto_momentum: float = 0.9  # mu
+  lambda_p: float = 0.3
+  personal_start: int = 0  # T_p
+  client_map: str = "auto"
+  eval_batch: int = 256
+
+  def merge(self, global_params, personal, frozen) -> RcsrModel:
+    return nnx.merge(self.graphdef, global_params, personal, frozen)
+
+
+@struct.dataclass
+class Method:
+  """Traced switches that make one compiled round serve every method."""
+
+  lambda_a: Array  # eq. (4) prototype-proximal weight (Table 3's lambda_align); 0 for baselines
+  lambda_s: Array  # eq. (4) parameter-proximal weight; 0 for baselines
+  prox_mu: Array  # FedProx's mu (the term is mu / 2 ||theta_k - theta||^2)
+  router: Array  # bool: learnt w^R after warm-up (RCSR)
+  fair: Array  # bool: the q game (RCSR)
+  personal: Array  # bool: RCSR-p's personal adapters
+
+
+def method(name: str, *, lambda_a: float = 0.1, lambda_s: float = 0.01, mu: float = 0.1) -> Method:
+  """The :class:`Method` of ``fedavg``, ``fedprox``, ``rcsr`` or ``rcsr_p``."""
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  b = lambda x: jnp.asarray(x, bool)
+  if name == "fedavg":
+    return Method(f(0), f(0), f(0), b(False), b(False), b(False))
+  if name == "fedprox":
+    return Method(f(0), f(0), f(mu), b(False), b(False), b(False))
+  if name == "rcsr":
+    return Method(f(lambda_a), f(lambda_s), f(0), b(True), b(True), b(False))
+  if name == "rcsr_p":
+    return Method(f(lambda_a), f(lambda_s), f(0), b(True), b(True), b(True))
+  raise ValueError(f"unknown method {name!r}; known: fedavg, fedprox, rcsr, rcsr_p.")
+
+
+METHODS = ("fedavg", "fedprox", "rcsr", "rcsr_p")
+
+
+@struct.dataclass
+class RcsrState:
+  """Everything that persists across rounds (checkpointed by the loop)."""
+
+  round: Array
+  rng: Array
+  params: PyTree  # global adapters + heads
+  personal: PyTree  # [N, ...] RCSR-p adapters (never aggregated, never sent)
+  router: PyTree
+  router_opt: PyTree
+  fair: S.FairState  # q over all N clients + group running means
+  prototypes: Array  # [2, d] EMA prototypes (pbar_I, pbar_T)
+  prev_update: Array  # [P] last global update (gamma_k's entry 2)
+  last_wr: Array  # [N] each client's last w^R (eq. 13's input)
+  personalised: Array  # bool: evaluate with the personal adapters (RCSR-p's state)
+
+
+def token_dim(dim: int) -> int:
+  return dim + 2 + 4 + 2 + 1
+
+
+def build_model(
+  image_encoder, text_encoder, *, adapter_dim, head_hidden, dim, personal_hidden, key
+):
+  """The model and its three parts: ``(graphdef, global, personal, frozen)``."""
+  model = RcsrModel(
+    image_encoder,
+    text_encoder,
+    adapter_dim=adapter_dim,
+    head_hidden=head_hidden,
+    dim=dim,
+    personal_hidden=personal_hidden,
+    rngs=nnx.Rngs(key),
+  )
+  return nnx.split(model, GLOBAL, PERSONAL, ...)
+
+
+def _tower_flags(params: PyTree, modality: Array) -> PyTree:
+  """Per leaf: 1 where the client holds the leaf's tower, else 0."""
+
+  def flag(path, _):
+    name = jax.tree_util.keystr(path)
+    on = modality[0] if "image_" in name else modality[1]
+    return on.astype(jnp.float32)
+
+  return jax.tree_util.tree_map_with_path(flag, params)
+
+
+def masked_tx(
+  shared_tx: optax.GradientTransformation,
+  personal_tx: optax.GradientTransformation,
+  modality: Array,
+  personal_on: Array,
+) -> optax.GradientTransformation:
+  """AdamW on ``{"global", "personal"}`` with the *update* masked per tower / switch."""
+
+  def init(params):
+    return shared_tx.init(params["global"]), personal_tx.init(params["personal"])
+
+  def update(grads, state, params):
+    ug, sg = shared_tx.update(grads["global"], state[0], params["global"])
+    up, sp = personal_tx.update(grads["personal"], state[1], params["personal"])
+    flags = _tower_flags(ug, modality)
+    # jnp.where, not a product: a NaN / Inf update of the missing tower stays out too.
+    ug = jax.tree.map(lambda u, f: jnp.where(f > 0, u, 0.0), ug, flags)
+    up = jax.tree.map(lambda u: jnp.where(personal_on, u, 0.0), up)
+    return {"global": ug, "personal": up}, (sg, sp)
+
+  return optax.GradientTransformation(init, update)
+
+
+def round_lr(spec: RcsrDef, t: Array) -> Array:
+  """Cosine annealing over the rounds after a linear warm-up of ``lr_warmup`` rounds."""
+  t = t.astype(jnp.float32)
+  warm = jnp.minimum(1.0, (t + 1) / max(spec.lr_warmup, 1))
+  cos = 0.5 * (1 + jnp.cos(jnp.pi * t / max(spec.rounds, 1)))
+  return spec.lr * warm * cos
+
+
+def client_objective(spec, frozen, global_start, modality, prototypes, strength, meth):
+  """Eq. (5) (+ FedProx, + RCSR-p's personal loss) for ONE client as an Objective."""
+
+  def objective(params, batch, mask, key):
+    model = spec.merge(params["global"], params["personal"], frozen)
+    caps = batch["caption"]
+    pick = jax.random.randint(key, (caps.shape[0],), 0, caps.shape[1])
+    text = jnp.take_along_axis(caps, pick[:, None, None], axis=1)[:, 0]
+    z_i = model.embed_image(batch["image"])
+    z_t = model.embed_text(text)
+    prox = L.parameter_proximal(params["global"], global_start)
+    loss, terms = L.rcsr_client_loss(
+      z_i,
+      z_t,
+      modality=modality,
+      global_prototypes=prototypes,
+      prox=prox,
+      where=mask,
+      temperature=spec.temperature,
+      lambda_a=meth.lambda_a,
+      lambda_s=meth.lambda_s,
+      lambda_anc=spec.lambda_anc,
+    )
+    loss = loss + 0.5 * meth.prox_mu * prox
+    # RCSR-p (eq. 12): personal features from the shared ones under stop-gradient.
+    pz_i = model.personalise(jax.lax.stop_gradient(z_i), strength)
+    pz_t = model.personalise(jax.lax.stop_gradient(z_t), strength)
+    p_loss, _ = L.rcsr_client_loss(
+      pz_i,
+      pz_t,
+      modality=modality,
+      global_prototypes=prototypes,
+      prox=jnp.zeros(()),
+      where=mask,
+      temperature=spec.temperature,
+      lambda_a=0.0,
+      lambda_s=0.0,
+      lambda_anc=spec.lambda_anc,
+    )
+    p_loss = jnp.where(meth.personal, p_loss, 0.0)
+    # The value is the shared loss (the l_k a client reports); the gradient includes the
+    # personal loss's, which reaches only the personal adapter.
+    return loss + p_loss - jax.lax.stop_gradient(p_loss), {"personal_loss": p_loss}
+
+  return objective
+
+
+def client_update(
+  spec: RcsrDef,
+  frozen: PyTree,
+  meth: Method,
+  global_params: PyTree,
+  prototypes: Array,
+  lr: Array,
+  personal_on: Array,
+  personal: PyTree,
+  rng: Array,
+  arrays: dict[str, Array],
+  sample_mask: Array,
+  modality: Array,
+  strength: Array,
+) -> tuple[PyTree, PyTree, dict[str, Array]]:
+  """Local training of ONE client; returns ``(new global params, new personal, stats)``."""
+  shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
+  personal_tx = optax.adamw(0.1 * lr, weight_decay=spec.weight_decay)
+  tx = masked_tx(shared_tx, personal_tx, modality, personal_on & meth.personal)
+  obj = client_objective(spec, frozen, global_params, modality, prototypes, strength, meth)
+  params = {"global": global_params, "personal": personal}
+  params, _, _, stats = local_update(
+    obj,
+    tx,
+    params,
+    tx.init(params),
+    rng,
+    arrays,
+    sample_mask,
+    num_epochs=spec.local_epochs,
+    batch_size=spec.batch_size,
+  )
+  return params["global"], params["personal"], stats
+
+
+def client_prototypes(spec, frozen, params, personal, arrays, sample_mask, modality, prototypes):
+  """``[2, d]`` reported prototypes (eq. 6): local where held, the EMA one where filled."""
+  model = spec.merge(params, personal, frozen)
+  z_i = apply_in_batches(model.embed_image, arrays["image"], spec.eval_batch)
+  z_t = apply_in_batches(model.embed_text, arrays["caption"][:, 0], spec.eval_batch)
+  local = jnp.stack([L.prototype(z_i, where=sample_mask), L.prototype(z_t, where=sample_mask)])
+  return jnp.where(modality[:, None], local, prototypes)
+
+
+def _flat(tree: PyTree) -> Array:
+  return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def init(
+  spec: RcsrDef,
+  global_params: PyTree,
+  personal: PyTree,
+  frozen: PyTree,
+  arrays: dict[str, Array],
+  sample_mask: Array,
+  modality: Array,
+  key: Array,
+) -> RcsrState:
+  """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes."""
+  n = spec.num_clients
+  k_router, k_rng = jax.random.split(key)
+  zeros = jnp.zeros((2, spec.dim))
+  fill = jax.vmap(
+    lambda a, m, mod: client_prototypes(spec, frozen, global_params, personal, a, m, mod, zeros)
+  )(arrays, sample_mask, modality)
+  held = modality.astype(jnp.float32)
+  protos = L.normalize(jnp.einsum("kv,kvd->vd", held, fill))
+  router = S.init_router(
+    k_router,
+    token_dim(protos.shape[-1]),
+    width=spec.router_width,
+    layers=spec.router_layers,
+  )
+  return RcsrState(
+    round=jnp.zeros((), jnp.int32),
+    rng=k_rng,
+    params=global_params,
+    personal=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), personal),
+    router=router,
+    router_opt=optax.adam(spec.router_lr).init(router),
+    fair=S.fair_init(n),
+    prototypes=protos,
+    prev_update=jnp.zeros_like(_flat(global_params)),
+    last_wr=jnp.full((n,), 1.0 / spec.per_round),
+    personalised=jnp.zeros((), bool),
+  )
+
+
+def round_step(
+  spec: RcsrDef,
+  frozen: PyTree,
+  meth: Method,
+  state: RcsrState,
+  arrays: dict[str, Array],
+  sample_mask: Array,
+  modality: Array,
+) -> tuple[RcsrState, dict[str, Array]]:
+  """One round of Algorithm 1 for every method (its switches in ``meth``).
+
+  Args:
+    spec: static settings.
+    frozen: the frozen encoders' parameters (not sent).
+    meth: the method's :class:`Method`.
+    state: :class:`RcsrState`.
+    arrays: ``image [N, n, S, S, C]``, ``caption [N, n, C, L]`` (missing modality zeroed).
+    sample_mask: ``bool [N, n]``.
+    modality: ``bool [N, 2]`` client modality masks.
+
+  Returns:
+    ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
+    and scalars.
+  """
+  n, m = spec.num_clients, spec.per_round
+  t = state.round  # rounds completed; this is round t + 1 of Algorithm 1
+  rng, k_sample, k_clients = jax.random.split(jax.random.fold_in(state.rng, t), 3)
+  # Line 3: sample floor(C N) clients.
+  scores = jax.random.uniform(k_sample, (n,))
+  idx = jnp.sort(jax.lax.top_k(scores, m)[1])
+  where = jnp.zeros((n,), bool).at[idx].set(True)
+  take = lambda x: x[idx]
+  c_arrays = jax.tree.map(take, arrays)
+  c_mask, c_mod = sample_mask[idx], modality[idx]
+  c_personal = jax.tree.map(take, state.personal)
+  strength = S.personal_strength(state.last_wr[idx], lambda_p=spec.lambda_p)
+  lr = round_lr(spec, t)
+  personal_on = t >= spec.personal_start
+  # Lines 5-8: local training of the sampled clients, one compiled map.
+  update = functools.partial(
+    client_update, spec, frozen, meth, state.params, state.prototypes, lr, personal_on
+  )
+  keys = jax.random.split(k_clients, m)
+  new_global, new_personal, stats = map_clients(
+    update, (c_personal, keys, c_arrays, c_mask, c_mod, strength), spec.client_map
+  )
+  protos = jax.vmap(
+    lambda p, q, a, mk, md: client_prototypes(spec, frozen, p, q, a, mk, md, state.prototypes)
+  )(new_global, new_personal, c_arrays, c_mask, c_mod)
+  deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(new_global)
+  gamma = jax.vmap(lambda d, pk, md: S.geometry(d, state.prev_update, pk, state.prototypes, md))(
+    deltas, protos, c_mod
+  )
+  loss = stats["loss"]
+  all_true = jnp.ones((m,), bool)
+  # Lines 10-13: router after warm-up (RCSR), data-size weights otherwise.
+  sizes = c_mask.sum(1)
+  w_data = S.data_weights(sizes, all_true)
+  routed = meth.router & (t >= spec.warmup_rounds)
+  (r_loss, w_router), r_grads = jax.value_and_grad(S.router_loss, has_aux=True)(
+    state.router,
+    protos,
+    gamma,
+    c_mod,
+    loss,
+    all_true,
+    state.prototypes,
+    heads=spec.router_heads,
+    betas=spec.betas,
+    beta_4=spec.beta_4,
+    beta_5=spec.beta_5,
+  )
+  r_updates, r_opt = optax.adam(spec.router_lr).update(r_grads, state.router_opt, state.router)
+  router = jax.tree.map(
+    lambda new, old: jnp.where(routed, new, old),
+    optax.apply_updates(state.router, r_updates),
+    state.router,
+  )
+  router_opt = jax.tree.map(lambda new, old: jnp.where(routed, new, old), r_opt, state.router_opt)
+  w_r = jnp.where(routed, w_router, w_data)
+  # Line 15: the q game over all N clients (RCSR), eq. (11) fused weights.
+  full = lambda x: jnp.zeros((n,), x.dtype).at[idx].set(x)
+  group = S.client_group(modality)
+  fair, _ = S.fair_update(
+    state.fair, full(loss), group, where, eta_q=spec.eta_q, momentum=spec.fair_momentum
+  )
+  fair = jax.tree.map(lambda new, old: jnp.where(meth.fair, new, old), fair, state.fair)
+  q = jnp.where(meth.fair, fair.q[idx], jnp.ones((m,)))
+  w = S.fused_weights(w_r, q, all_true)
+  # Lines 16-17: global update and EMA prototypes.
+  step = jnp.einsum("k,kp->p", w, deltas)
+  params = jax.tree.map(
+    lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, new_global
+  )
+  prototypes = S.ema_prototypes(state.prototypes, protos, w, mu=spec.proto_momentum)
+  personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
+  last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
+  new_state = RcsrState(
+    round=t + 1,
+    rng=state.rng,
+    params=params,
+    personal=personal,
+    router=router,
+    router_opt=router_opt,
+    fair=fair,
+    prototypes=prototypes,
+    prev_update=step,
+    last_wr=last_wr,
+    personalised=state.personalised,
+  )
+  nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
+  del rng
+  return new_state, {
+    "loss": nan(loss),
+    "weight": nan(w),
+    "router_loss": r_loss,
+    "lr": lr,
+    "sampled": where,
+  }
+
+
+def sent_bytes(global_params: PyTree) -> int:
+  """Bytes of one client's upload (and of the broadcast): adapters + heads only."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(global_params))

@@ -1,0 +1,329 @@
+r"""RCSR, RCSR-p and FedAvg / FedProx side by side on the embedded world (issue 20).
+
+  python -m experiments.main --config=experiments/rcsr.py
+
+Data (Sec. 5.1, scaled): the world's image-caption pairs; pseudo-labels by K-Means
+(``kmeans_k`` clusters, scikit-learn, ``n_init = 10``) on the *frozen* text encoder's
+pooled caption embeddings (caption 0); each client draws cluster proportions from
+Dirichlet(``alpha``) (:func:`fedjax_mm.data.partition.dirichlet_partition` with fixed
+client sizes). ``missing_rate`` of the clients (``round(MR N)``, seeded) are
+single-modality, image-only or text-only with probability 1/2 each; their missing
+arrays are zeroed. Each client's samples split into train and a held-out part; the
+held-out part keeps both modalities for every client (an evaluation oracle: retrieval
+needs pairs, Sec. 5.1 "per-client R@1") so per-client scores are the global (RCSR-p:
+personalised) model on the client's own held-out pairs. A shared test set of pairs
+from the same world gives the global Recall@K.
+
+Metrics: R@1/5/10 image->text and text->image, Rbar@K = (I2T + T2I) / 2; fairness: std
+of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = K / n.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fedjax_mm.algorithms import rcsr as alg
+from fedjax_mm.data import partition, world
+from fedjax_mm.models import image as image_models
+from fedjax_mm.models import pretrained
+from fedjax_mm.models import text as text_models
+from fedjax_mm.runner import loop
+from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.report import format_table
+from fedjax_mm.server import rcsr as S
+
+KS = (1, 5, 10)
+
+
+def validate(config) -> None:
+  """One-line :class:`ConfigError` naming the key; before any work."""
+  mr = float(config.missing_rate)
+  if not (0.0 <= mr < 1.0) or not np.isfinite(mr):
+    raise ConfigError(f"missing_rate must be in [0, 1), got {mr}.")
+  if int(config.num_clients) < 2:
+    raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
+  if not (0.0 < float(config.participation) <= 1.0):
+    raise ConfigError(f"participation must be in (0, 1], got {config.participation}.")
+  if int(float(config.participation) * int(config.num_clients)) < 1:
+    raise ConfigError(
+      f"participation * num_clients must be >= 1 (one client per round), got "
+      f"{config.participation} * {config.num_clients}."
+    )
+  unknown = [m for m in config.methods if m not in alg.METHODS]
+  if unknown or not config.methods:
+    raise ConfigError(f"methods: unknown {unknown}; known: {list(alg.METHODS)}.")
+  if int(config.rounds) < 1:
+    raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
+  if not float(config.alpha) > 0:
+    raise ConfigError(f"alpha must be > 0, got {config.alpha}.")
+  for key in ("train_per_client", "test_per_client", "batch_size", "kmeans_k", "global_test"):
+    if int(config[key]) < 1:
+      raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
+
+
+def _encoders(config):
+  rngs = nnx.Rngs(config.seed)
+  img = image_models.vit_t(image_size=config.image_size, rngs=rngs)
+  txt = text_models.transformer_t(
+    vocab_size=len(world.VOCAB), max_len=config.max_caption_len, rngs=rngs
+  )
+  if config.pretrained:
+    pretrained.load_into(img, "world-clip/vit_t")
+    pretrained.load_into(txt, "world-clip/transformer_t")
+  return img, txt
+
+
+def build(config):
+  """Data, modality masks, model parts and the static spec."""
+  validate(config)
+  n = int(config.num_clients)
+  per_round = int(float(config.participation) * n)
+  wcfg = world.WorldConfig(
+    image_size=config.image_size, captions_per_image=2, max_caption_len=config.max_caption_len
+  )
+  per_client = config.train_per_client + config.test_per_client
+  pool = world.generate(config.seed, n * per_client * 2, config=wcfg)
+  img_enc, txt_enc = _encoders(config)
+  # Pseudo-labels: K-Means on the frozen text encoder's caption embeddings (Sec. 5.1).
+  text_feats = np.asarray(
+    jax.jit(lambda x: txt_enc(x)[0])(jnp.asarray(pool["caption"][:, 0])), np.float64
+  )
+  from sklearn.cluster import KMeans  # noqa: PLC0415 (only here)
+
+  labels = KMeans(config.kmeans_k, n_init=10, random_state=config.seed).fit_predict(text_feats)
+  parts = partition.dirichlet_partition(
+    labels, n, alpha=config.alpha, seed=config.seed, samples_per_client=per_client
+  )
+  rng = np.random.default_rng(config.seed + 1)
+  single = np.zeros(n, bool)
+  single[rng.permutation(n)[: int(round(config.missing_rate * n))]] = True
+  image_only = rng.random(n) < 0.5
+  modality = np.stack([~single | image_only, ~single | ~image_only], axis=1)
+  idx = np.stack([np.asarray(p)[rng.permutation(len(p))] for p in parts])
+  tr, te = idx[:, : config.train_per_client], idx[:, config.train_per_client :]
+  train = {"image": pool["image"][tr], "caption": pool["caption"][tr]}
+  train["image"] = train["image"] * modality[:, 0, None, None, None, None]
+  train["caption"] = train["caption"] * modality[:, 1, None, None, None]
+  test = {"image": pool["image"][te], "caption": pool["caption"][te, 0]}
+  used = np.zeros(len(labels), bool)
+  used[idx.ravel()] = True
+  gt = np.flatnonzero(~used)[: config.global_test]
+  global_test = {"image": pool["image"][gt], "caption": pool["caption"][gt, 0]}
+  graphdef, glob, personal, frozen = alg.build_model(
+    img_enc,
+    txt_enc,
+    adapter_dim=config.adapter_dim,
+    head_hidden=config.head_hidden,
+    dim=config.dim,
+    personal_hidden=config.personal_hidden,
+    key=jax.random.key(config.seed + 2),
+  )
+  r = config.rcsr
+  spec = alg.RcsrDef(
+    graphdef=graphdef,
+    num_clients=n,
+    per_round=per_round,
+    rounds=int(config.rounds),
+    dim=config.dim,
+    batch_size=config.batch_size,
+    local_epochs=config.local_epochs,
+    lr=config.learning_rate,
+    lr_warmup=config.lr_warmup,
+    router_width=r.router_width,
+    router_layers=r.router_layers,
+    router_heads=r.router_heads,
+    warmup_rounds=r.warmup_rounds,
+    lambda_p=r.lambda_p,
+    personal_start=r.personal_start,
+    client_map=config.client_map,
+  )
+  return {
+    "spec": spec,
+    "glob": glob,
+    "personal": personal,
+    "frozen": frozen,
+    "train": jax.tree.map(jnp.asarray, train),
+    "mask": jnp.ones(tr.shape, bool),
+    "modality": jnp.asarray(modality),
+    "test": jax.tree.map(jnp.asarray, test),
+    "global_test": jax.tree.map(jnp.asarray, global_test),
+  }
+
+
+def recall(z_i: jax.Array, z_t: jax.Array) -> dict[str, jax.Array]:
+  """R@K of pairs ``(z_i[j], z_t[j])``: both directions, in percent."""
+  sims = z_i @ z_t.T
+  diag = jnp.diagonal(sims)
+  rank_i2t = (sims > diag[:, None]).sum(1)  # texts beating the true one
+  rank_t2i = (sims > diag[None, :]).sum(0)
+  out = {}
+  for k in KS:
+    out[f"i2t_R@{k}"] = 100 * (rank_i2t < k).mean()
+    out[f"t2i_R@{k}"] = 100 * (rank_t2i < k).mean()
+    out[f"R@{k}"] = (out[f"i2t_R@{k}"] + out[f"t2i_R@{k}"]) / 2
+  return out
+
+
+def experiment(config) -> loop.Experiment:
+  setup = build(config)
+  spec, frozen = setup["spec"], setup["frozen"]
+  methods = tuple(config.methods)
+  n = spec.num_clients
+  meths = {
+    m: alg.method(m, lambda_a=config.rcsr.lambda_align, lambda_s=config.rcsr.lambda_s, mu=0.1)
+    for m in methods
+  }
+  init = jax.jit(functools.partial(alg.init, spec))
+  state0 = init(
+    setup["glob"],
+    setup["personal"],
+    frozen,
+    setup["train"],
+    setup["mask"],
+    setup["modality"],
+    jax.random.key(config.seed + 3),
+  )
+  round_fn = functools.partial(alg.round_step, spec, frozen)
+
+  def round_and_check(meth, s):
+    s, out = round_fn(meth, s, setup["train"], setup["mask"], setup["modality"])
+    leaves = jax.tree.leaves(s.params)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return s, out | {"finite": finite}
+
+  # One compiled round for every method: the method is a traced argument.
+  round_jit = jax.jit(round_and_check, donate_argnums=1)
+
+  def step(m):
+    return lambda s: round_jit(meths[m], s)
+
+  @jax.jit
+  def evaluate_jit(s):
+    def client(personal, arrays, wr):
+      model = spec.merge(s.params, personal, frozen)
+      z_i, z_t = model.embed_image(arrays["image"]), model.embed_text(arrays["caption"])
+      strength = S.personal_strength(wr, lambda_p=spec.lambda_p)
+      p_i, p_t = model.personalise(z_i, strength), model.personalise(z_t, strength)
+      z_i = jnp.where(s.personalised, p_i, z_i)
+      z_t = jnp.where(s.personalised, p_t, z_t)
+      return recall(z_i, z_t)
+
+    own = jax.vmap(client)(s.personal, setup["test"], s.last_wr)
+    model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
+    g = setup["global_test"]
+    return own, recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+  def evaluate(s) -> dict[str, Any]:
+    own, glob = evaluate_jit(s)
+    own = {k: np.asarray(v).tolist() for k, v in own.items()}
+    r1 = np.asarray(own["R@1"])
+    return {
+      "global": {k: float(v) for k, v in glob.items()},
+      "own": own,
+      "fairness": {
+        "mean_R@1": float(r1.mean()),
+        "std_R@1": float(r1.std()),
+        "worst_R@1": float(r1.min()),
+        "gap_R@1": float(r1.max() - r1.min()),
+      },
+      "q": np.asarray(s.fair.q).tolist(),
+    }
+
+  def scalars(r, outs, evals):
+    rows = []
+    for m in methods:
+      values = {
+        "mean_train_loss": float(np.nanmean(np.asarray(outs[m]["loss"]))),
+        "router_loss": float(outs[m]["router_loss"]),
+      }
+      if m in evals:
+        values |= {f"global/{k}": v for k, v in evals[m]["global"].items()}
+        values |= {f"fair/{k}": v for k, v in evals[m]["fairness"].items()}
+      rows.append((m, values))
+    return rows
+
+  sent = alg.sent_bytes(setup["glob"])
+
+  def traffic(m, out):
+    sampled = np.asarray(out["sampled"])
+    up = np.where(sampled, sent, 0)
+    return up, up
+
+  chance = {f"R@{k}": 100 * min(1.0, k / config.test_per_client) for k in KS}
+  chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
+
+  def report(outcome: loop.Outcome) -> loop.Report:
+    rows = []
+    for m in methods:
+      f = outcome.final[m]
+      g, fair = f["global"], f["fairness"]
+      rows.append(
+        [m]
+        + [f"{g[f'i2t_R@{k}']:.1f}" for k in KS]
+        + [f"{g[f't2i_R@{k}']:.1f}" for k in KS]
+        + [f"{g[f'R@{k}']:.1f}" for k in KS]
+        + [
+          f"{fair['mean_R@1']:.1f}",
+          f"{fair['std_R@1']:.1f}",
+          f"{fair['worst_R@1']:.1f}",
+          f"{fair['gap_R@1']:.1f}",
+        ]
+      )
+    rows.append(
+      ["chance"]
+      + [f"{chance_global[f'R@{k}']:.1f}" for k in KS] * 3
+      + [f"{chance['R@1']:.1f}", "", "", ""]
+    )
+    header = (
+      ["Method"]
+      + [f"I2T R@{k}" for k in KS]
+      + [f"T2I R@{k}" for k in KS]
+      + [f"Rbar@{k}" for k in KS]
+      + ["own Rbar@1 mean", "std", "worst", "gap"]
+    )
+    table = format_table(header, rows)
+    text = (
+      f"RCSR on the world: N={n}, C={config.participation}, MR={config.missing_rate}, "
+      f"alpha={config.alpha}, {config.rounds} rounds, seed {config.seed}\n{table}"
+    )
+    results = {
+      "methods": {m: outcome.final[m] for m in methods},
+      "chance": {"own": chance, "global": chance_global},
+      "modality": np.asarray(setup["modality"]).tolist(),
+      "bytes_per_client_round": sent,
+    }
+    return loop.Report(
+      title="RCSR", sections=[("Results", table)], plots={}, results=results, text=text
+    )
+
+  return loop.Experiment(
+    init=lambda: {
+      m: jax.tree.map(jnp.copy, state0).replace(personalised=jnp.asarray(m == "rcsr_p"))
+      for m in methods
+    },
+    methods={m: step(m) for m in methods},
+    evaluate=evaluate,
+    nonfinite=lambda out: [] if bool(out["finite"]) else ["the global model"],
+    scalars=scalars,
+    runs=methods,
+    report=report,
+    traffic=traffic,
+    eval_every=int(config.eval_every),
+  )
+
+
+def run(
+  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
+) -> dict[str, Any]:
+  """Trains every configured method in ``workdir``; resumes a run killed there."""
+  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
+
+
+__all__ = ["build", "experiment", "recall", "run", "validate"]

@@ -1,0 +1,159 @@
+"""RCSR on the engine: the missing tower gets no update under AdamW, personal adapters
+never leave the client, mapped == looped client updates, every method's round runs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fedjax_mm.algorithms import rcsr as alg
+from fedjax_mm.data import world
+from fedjax_mm.models import image, text
+
+N, PER_ROUND, SAMPLES = 4, 3, 6
+MODALITY = np.array([[1, 1], [1, 0], [0, 1], [1, 1]], bool)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = world.WorldConfig(image_size=16, captions_per_image=2, max_caption_len=12)
+  d = world.generate(0, N * SAMPLES, config=cfg)
+  img = d["image"].reshape(N, SAMPLES, 16, 16, 3)
+  cap = d["caption"].reshape(N, SAMPLES, 2, 12)
+  img = img * MODALITY[:, 0, None, None, None, None]
+  cap = cap * MODALITY[:, 1, None, None, None]
+  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap)}
+  mask = np.ones((N, SAMPLES), bool)
+  mask[3, 4:] = False
+  rngs = nnx.Rngs(0)
+  graphdef, glob, personal, frozen = alg.build_model(
+    image.vit_t(image_size=16, rngs=rngs),
+    text.transformer_t(vocab_size=len(world.VOCAB), max_len=12, rngs=rngs),
+    adapter_dim=8,
+    head_hidden=16,
+    dim=8,
+    personal_hidden=8,
+    key=jax.random.key(1),
+  )
+  spec = alg.RcsrDef(
+    graphdef=graphdef,
+    num_clients=N,
+    per_round=PER_ROUND,
+    rounds=4,
+    dim=8,
+    batch_size=4,
+    lr=1e-2,
+    router_width=16,
+    router_layers=1,
+    warmup_rounds=1,
+    client_map="vmap",
+  )
+  return spec, glob, personal, frozen, arrays, jnp.asarray(mask), jnp.asarray(MODALITY)
+
+
+@pytest.fixture(scope="module")
+def update_fn(setup):
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+
+  @jax.jit
+  def fn(meth, protos, k_personal, key, k_arrays, k_mask, k_mod):
+    return alg.client_update(
+      spec,
+      frozen,
+      meth,
+      glob,
+      protos,
+      jnp.asarray(1e-2),
+      jnp.asarray(True),
+      k_personal,
+      key,
+      k_arrays,
+      k_mask,
+      k_mod,
+      jnp.asarray(0.3),
+    )
+
+  return fn
+
+
+def _update(setup, fn, k, meth, protos):
+  _, _, personal, _, arrays, mask, mod = setup
+  k_arrays = jax.tree.map(lambda x: x[k], arrays)
+  return fn(meth, protos, personal, jax.random.key(k), k_arrays, mask[k], mod[k])
+
+
+def _changed(a, b, part):
+  leaves = jax.tree_util.tree_leaves_with_path(
+    jax.tree.map(lambda x, y: jnp.abs(x - y).max(), a, b)
+  )
+  return {jax.tree_util.keystr(p): float(v) for p, v in leaves if part in jax.tree_util.keystr(p)}
+
+
+def test_missing_tower_gets_no_update_under_adamw(setup, update_fn):
+  protos = jnp.ones((2, 8)) / jnp.sqrt(8.0)
+  glob = setup[1]
+  new, _, _ = _update(setup, update_fn, 1, alg.method("rcsr"), protos)  # image-only client
+  assert all(v == 0.0 for v in _changed(new, glob, "text_").values())
+  assert max(_changed(new, glob, "image_").values()) > 0
+  new, _, _ = _update(setup, update_fn, 2, alg.method("rcsr"), protos)  # text-only client
+  assert all(v == 0.0 for v in _changed(new, glob, "image_").values())
+  assert max(_changed(new, glob, "text_").values()) > 0
+
+
+def test_personal_adapter_only_moves_under_rcsr_p(setup, update_fn):
+  protos = jnp.ones((2, 8)) / jnp.sqrt(8.0)
+  personal = setup[2]
+  _, p_off, _ = _update(setup, update_fn, 0, alg.method("rcsr"), protos)
+  assert all(v == 0.0 for v in _changed(p_off, personal, "").values())
+  _, p_on, _ = _update(setup, update_fn, 0, alg.method("rcsr_p"), protos)
+  assert max(_changed(p_on, personal, "").values()) > 0
+
+
+def test_mapped_equals_looped_client_updates(setup, update_fn):
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  protos = jnp.ones((2, 8)) / jnp.sqrt(8.0)
+  meth = alg.method("rcsr_p")
+  fn = functools.partial(
+    alg.client_update, spec, frozen, meth, glob, protos, jnp.asarray(1e-2), jnp.asarray(True)
+  )
+  stacked_personal = jax.tree.map(lambda x: jnp.broadcast_to(x, (N,) + x.shape), personal)
+  keys = jnp.stack([jax.random.key(k) for k in range(N)])
+  args = (stacked_personal, keys, arrays, mask, mod, jnp.full((N,), 0.3))
+  mapped = jax.jit(lambda a: alg.map_clients(fn, a, "vmap"))(args)
+  for k in range(N):
+    looped = _update(setup, update_fn, k, meth, protos)
+    for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(mapped), strict=True):
+      np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-6)
+
+
+def test_rounds_of_every_method_and_personal_state_stays_home(setup):
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  state0 = jax.jit(functools.partial(alg.init, spec))(
+    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
+  )
+  step = jax.jit(functools.partial(alg.round_step, spec, frozen))
+  states = {}
+  for name in alg.METHODS:
+    state = state0
+    for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
+      state, metrics = step(alg.method(name), state, arrays, mask, mod)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+    assert np.isclose(np.nansum(metrics["weight"]), 1.0)
+    states[name] = state
+  np.testing.assert_allclose(states["rcsr"].fair.q.sum(), 1.0, rtol=1e-6)
+  assert not np.allclose(states["rcsr"].fair.q, 1 / N)  # the q game ran
+  np.testing.assert_array_equal(states["fedavg"].fair.q, state0.fair.q)
+  # The global model never depends on the personal adapters: replace them, same round.
+  moved = state0.replace(personal=jax.tree.map(lambda x: x + 1.0, state0.personal))
+  a, _ = step(alg.method("rcsr_p"), state0, arrays, mask, mod)
+  b, _ = step(alg.method("rcsr_p"), moved, arrays, mask, mod)
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+    np.testing.assert_array_equal(x, y)
+  # What is sent is adapters + heads only (no encoder, no personal adapter).
+  sent = alg.sent_bytes(glob)
+  assert sent < sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
+  names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(glob)}
+  assert not any("personal" in n or "encoder" in n for n in names)

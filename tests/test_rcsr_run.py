@@ -1,0 +1,53 @@
+"""The RCSR command end to end: bad configs are one line and exit 2; the smoke run
+writes its table, results (per-client scores, fairness, q) and checkpoints."""
+
+import json
+import re
+
+import experiment_main
+import pytest
+
+from experiments import rcsr as rcsr_config
+from fedjax_mm.runner import rcsr as runner
+from fedjax_mm.runner.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+  "key,value,message",
+  [
+    ("missing_rate", 1.0, "missing_rate must be in [0, 1)"),
+    ("missing_rate", -0.1, "missing_rate must be in [0, 1)"),
+    ("participation", 0.1, "participation * num_clients must be >= 1"),
+    ("methods", ("rcsr", "fedsgd"), "unknown ['fedsgd']"),
+  ],
+)
+def test_validate_names_the_key(key, value, message):
+  config = rcsr_config.get_config("smoke")
+  config[key] = value
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    runner.validate(config)
+
+
+def test_smoke_run_and_exit_2(tmp_path, main_cache):
+  code, _, err = experiment_main.run(
+    "experiments/rcsr.py:smoke",
+    tmp_path / "bad",
+    "--config.missing_rate=1.5",
+    cache_dir=main_cache,
+    timeout=300,
+  )
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "missing_rate" in lines[0], err[-2000:]
+  code, out, err = experiment_main.run(
+    "experiments/rcsr.py:smoke", tmp_path / "run", cache_dir=main_cache, timeout=600
+  )
+  assert code == 0, err[-3000:]
+  assert "| rcsr_p" in out and "| chance" in out
+  results = json.loads((tmp_path / "run" / "results.json").read_text())
+  for m in ("fedavg", "rcsr", "rcsr_p"):
+    final = results["methods"][m]
+    assert len(final["own"]["R@1"]) == 4 and "std_R@1" in final["fairness"]
+    assert abs(sum(final["q"]) - 1) < 1e-5
+  assert results["methods"]["fedavg"]["q"] == [0.25] * 4  # no q game for FedAvg
+  assert (tmp_path / "run" / "checkpoints").exists()
