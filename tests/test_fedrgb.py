@@ -1,5 +1,7 @@
 """FedRGB's losses and DRO weights against direct numpy."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,3 +139,108 @@ def test_dro_update_upweights_high_loss_and_stays_feasible():
     server.dro_update(w, v, gamma=1.0, rho=100.0), unconstrained, atol=1e-6
   )
   np.testing.assert_allclose(server.dro_update(w, v, gamma=0.0, rho=1.0), w, atol=1e-6)
+
+
+# -- the algorithm -------------------------------------------------------------
+
+from fedjax_mm.algorithms import fedrgb as rgb  # noqa: E402
+
+
+def _tiny(method="fedrgb", client_map="vmap", **kw):
+  cfg = rgb.RgbConfig(
+    method=method,
+    stage1_steps=2,
+    stage2_steps=2,
+    batch_size=4,
+    learning_rate=1e-2,
+    client_map=client_map,
+    **kw,
+  )
+  alg, state = rgb.build(
+    cfg,
+    image_encoder="cnn_s",
+    text_encoder="gru",
+    image_size=16,
+    vocab_size=20,
+    max_len=6,
+    dim=8,
+    pretrained=False,
+    key=jax.random.key(0),
+    num_clients=3,
+  )
+  rng = np.random.default_rng(0)
+  arrays = {
+    "images": jnp.asarray(rng.normal(size=(3, 8, 16, 16, 3)), jnp.float32),
+    "captions": jnp.asarray(rng.integers(1, 20, size=(3, 8, 6)), jnp.int32),
+  }
+  mask = jnp.asarray(np.arange(8)[None] < np.array([[8], [6], [5]]))
+  return alg, state, arrays, mask
+
+
+def _client(tree, c):
+  return jax.tree.map(lambda x: x[c], tree)
+
+
+@pytest.fixture(scope="module")
+def stage1():
+  """A tiny model, its data, and stage 1 of every client run vmapped."""
+  alg, state, arrays, mask = _tiny()
+  keys = jax.random.split(jax.random.key(1), 3)
+  one = lambda k, a, m: alg.stage1_client(state.encoder, state.aligner, state.teacher, k, a, m)
+  mapped = jax.jit(lambda: rgb.map_clients(one, (keys, arrays, mask), "vmap"))()
+  return alg, state, arrays, mask, keys, one, mapped
+
+
+def test_round_runs_and_updates_weights(stage1):
+  alg, state, arrays, mask, *_ = stage1
+  new, metrics = jax.jit(alg.round)(state, arrays, mask)
+  assert int(new.round) == 1
+  assert all(np.isfinite(np.asarray(v)).all() for v in metrics.values())
+  np.testing.assert_allclose(float(np.sum(metrics["weights"])), 1.0, atol=1e-5)
+  assert float(server.chi2_divergence(metrics["weights"])) <= alg.config.rho + 1e-5
+
+
+def test_vmapped_equals_looped_client_update(stage1):
+  """Same losses and same embeddings (parameters to which the output is blind, e.g.
+
+  attention key biases, get zero gradients that Adam turns into noise-sized
+  steps of either sign, so the embeddings are compared, not every leaf)."""
+  alg, state, arrays, mask, keys, one, mapped = stage1
+  single_fn = jax.jit(one)
+  embed = jax.jit(alg.embed)
+  images, captions = arrays["images"][0], arrays["captions"][0]
+  for c in range(3):
+    enc, al, loss = single_fn(keys[c], _client(arrays, c), mask[c])
+    np.testing.assert_allclose(loss, mapped[2][c], rtol=1e-4)
+    got = embed(*_client((mapped[0], mapped[1]), c), images, captions)
+    want = embed(enc, al, images, captions)
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_raising_a_clients_weight_moves_the_global_model_towards_it(stage1):
+  aligns = stage1[-1][1]
+  client0 = jax.tree.map(lambda x: x[0], aligns)
+
+  def dist(tree):
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(client0), strict=True)
+    return sum(float(jnp.sum((a - b) ** 2)) for a, b in pairs)
+
+  uniform = dist(rgb.aggregate(aligns, jnp.asarray([1 / 3, 1 / 3, 1 / 3])))
+  raised = dist(rgb.aggregate(aligns, jnp.asarray([0.6, 0.2, 0.2])))
+  assert raised < uniform
+
+
+def test_fedavg_weights_and_traffic(stage1):
+  alg, state, _, mask, *_ = stage1
+  np.testing.assert_allclose(rgb.data_size_weights(mask), np.array([8, 6, 5]) / 19, rtol=1e-6)
+  traffic = rgb.stage_traffic(alg, state)
+  assert 0 < traffic["stage2"] == traffic["stage1"] < traffic["full_model"]
+  fedavg = rgb.FedRGB(
+    dataclasses.replace(alg.config, method="fedavg"), alg.encoder_def, alg.aligner_def
+  )
+  assert rgb.stage_traffic(fedavg, state)["stage2"] == 0
+  with pytest.raises(ValueError, match="rho"):
+    rgb.RgbConfig(rho=-1.0)
+  with pytest.raises(ValueError, match="method"):
+    rgb.RgbConfig(method="fedx")
