@@ -29,6 +29,7 @@ from fedjax_mm.losses.dscmr import (
   label_space_loss,
   mean_distance,
 )
+from fedjax_mm.losses.fedrgb import dro_loss, guide_loss, local_loss, task_loss
 from fedjax_mm.losses.gramian import gram_volumes, gramian_loss
 from fedjax_mm.losses.muscle import (
   DEFAULT_CHUNK_ELEMENTS,
@@ -50,15 +51,18 @@ __all__ = [
   "cross_subspace_loss",
   "default_chunk_size",
   "discrimination_loss",
+  "dro_loss",
   "dscmr_loss",
   "fedscmr_loss",
   "fedscmr_terms",
   "gram_volumes",
   "gramian_loss",
+  "guide_loss",
   "info_nce",
   "inter_modal_contrast",
   "intra_modal_contrast",
   "label_space_loss",
+  "local_loss",
   "mean_distance",
   "muscle_client_loss",
   "muscle_gamma",
@@ -70,4 +74,5 @@ __all__ = [
   "pairwise_info_nce",
   "representation_distance",
   "symmetric_info_nce",
+  "task_loss",
 ]

@@ -7,15 +7,20 @@ from fedjax_mm.server.aggregate import (
   sample_clients,
   weighted_mean,
 )
+from fedjax_mm.server.dro import chi2_divergence, dro_update, project_chi2_ball, project_simplex
 from fedjax_mm.server.fedscmr import fedcmr_correction, fedcmr_weights, fedscmr_weights
 
 __all__ = [
   "broadcast",
+  "chi2_divergence",
+  "dro_update",
   "fedavg",
   "fedcmr_correction",
   "fedcmr_weights",
   "fedscmr_weights",
   "path_contains",
+  "project_chi2_ball",
+  "project_simplex",
   "sample_clients",
   "weighted_mean",
 ]

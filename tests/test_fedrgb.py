@@ -1,0 +1,249 @@
+"""FedRGB's losses and DRO weights against direct numpy."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_mm import losses, server
+
+
+def _unit(rng, *shape):
+  x = rng.normal(size=shape)
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _np_ce(s):
+  """Per-row cross-entropy with the diagonal as target."""
+  out = []
+  for i in range(s.shape[0]):
+    out.append(-(s[i, i] - np.log(np.sum(np.exp(s[i])))))
+  return np.array(out)
+
+
+def _np_task(a, b, tau):
+  s = a @ b.T / tau
+  return _np_ce(s) + _np_ce(s.T)
+
+
+def test_task_loss_matches_numpy():
+  rng = np.random.default_rng(0)
+  a, b = _unit(rng, 6, 5), _unit(rng, 6, 5)
+  got = losses.task_loss(jnp.asarray(a), jnp.asarray(b))
+  np.testing.assert_allclose(got, _np_task(a, b, 0.07), rtol=1e-4, atol=1e-4)
+
+
+def test_guide_and_local_loss_match_numpy():
+  rng = np.random.default_rng(1)
+  zi, zt, ti, tt = (_unit(rng, 4, 3) for _ in range(4))
+  guide = np.sum((ti - zi) ** 2, -1) + np.sum((tt - zt) ** 2, -1)
+  np.testing.assert_allclose(losses.guide_loss(zi, zt, ti, tt), guide, rtol=1e-5, atol=1e-6)
+  local = losses.local_loss(zi, zt, ti, tt, alpha=3.0)
+  np.testing.assert_allclose(local, guide + 3.0 * _np_task(zi, zt, 0.07), rtol=1e-4, atol=1e-4)
+
+
+def test_dro_loss_both_forms_match_numpy():
+  rng = np.random.default_rng(2)
+  ti, tt, ai, at, li, lt = (_unit(rng, 5, 4) for _ in range(6))
+  reg = np.sum((ai - ti) ** 2, -1) + np.sum((at - tt) ** 2, -1)
+  eq6 = 2.0 * reg + _np_task(ti, ai, 0.07) + _np_task(li, lt, 0.07)
+  got6 = losses.dro_loss(ti, tt, ai, at, li, lt, beta=2.0)
+  np.testing.assert_allclose(got6, eq6, rtol=1e-4, atol=1e-4)
+  eq12 = 2.0 * reg + _np_task(ai, at, 0.07)
+  got12 = losses.dro_loss(ti, tt, ai, at, beta=2.0, form="eq12")
+  np.testing.assert_allclose(got12, eq12, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="form"):
+    losses.dro_loss(ti, tt, ai, at, form="eq7")
+
+
+_project = jax.jit(server.project_chi2_ball)  # rho traced: one compile per shape
+
+
+def _np_divergence(w):
+  n = len(w)
+  return np.sum((n * w - 1.0) ** 2) / (2 * n)
+
+
+@pytest.mark.parametrize("rho", [1e-4, 0.01, 0.3, 5.0])
+def test_projection_on_simplex_is_shrink_towards_uniform(rho):
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    w = rng.dirichlet(np.ones(6) * 0.5)
+    u = np.full(6, 1 / 6)
+    want = u + min(1.0, np.sqrt(rho / _np_divergence(w))) * (w - u)
+    got = _project(jnp.asarray(w), rho)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_projection_rho_zero_uniform_and_inactive_identity():
+  w = jnp.asarray([0.7, 0.2, 0.1, 0.0])
+  np.testing.assert_allclose(server.project_chi2_ball(w, 0.0), np.full(4, 0.25), atol=1e-7)
+  d = float(server.chi2_divergence(w))
+  np.testing.assert_allclose(server.project_chi2_ball(w, d * 1.01), w, atol=1e-6)
+  with pytest.raises(ValueError, match="rho"):
+    server.project_chi2_ball(w, -0.1)
+
+
+def _np_dykstra(w, rho, iters=3000):
+  """Independent reference: Dykstra's alternating projections (simplex, ball)."""
+  n = len(w)
+  u = np.full(n, 1 / n)
+  r = np.sqrt(2 * rho / n)
+
+  def simplex(v):
+    s = np.sort(v)[::-1]
+    css = np.cumsum(s) - 1
+    k = np.nonzero(s - css / np.arange(1, n + 1) > 0)[0][-1]
+    return np.maximum(v - css[k] / (k + 1), 0)
+
+  def ball(v):
+    d = np.linalg.norm(v - u)
+    return v if d <= r else u + r / d * (v - u)
+
+  x, p, q = w.copy(), np.zeros(n), np.zeros(n)
+  for _ in range(iters):
+    y = simplex(x + p)
+    p = x + p - y
+    x = ball(y + q)
+    q = y + q - x
+  return x
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_projection_of_any_point_is_optimal(seed, x64):
+  rng = np.random.default_rng(seed)
+  n = 5
+  w = rng.normal(size=n) * 0.6 + 0.1
+  for rho in (0.02, 0.4, 3.0):
+    got = np.asarray(_project(jnp.asarray(w), rho))
+    assert abs(got.sum() - 1) < 1e-9 and got.min() >= -1e-12
+    assert _np_divergence(got) <= rho * (1 + 1e-9) + 1e-12
+    np.testing.assert_allclose(got, _np_dykstra(w, rho), atol=1e-6)
+    # Variational inequality: (w - x) . (y - x) <= 0 for every feasible y.
+    ys = rng.dirichlet(np.ones(n), size=2000)
+    u = np.full(n, 1 / n)
+    dist = np.sqrt([_np_divergence(y) for y in ys])
+    ys = u + np.minimum(1, np.sqrt(rho) / dist)[:, None] * (ys - u)
+    assert np.max((ys - got) @ (w - got)) <= 1e-9
+    assert np.min(np.linalg.norm(ys - w, axis=1)) >= np.linalg.norm(got - w) - 1e-9
+
+
+def test_dro_update_upweights_high_loss_and_stays_feasible():
+  w = jnp.full(4, 0.25)
+  v = jnp.asarray([0.1, 0.2, 2.0, 0.3])
+  new = server.dro_update(w, v, gamma=1.0, rho=1.0)
+  assert int(jnp.argmax(new)) == 2
+  assert float(server.chi2_divergence(new)) <= 1.0 + 1e-5
+  np.testing.assert_allclose(float(new.sum()), 1.0, atol=1e-6)
+  unconstrained = jax.nn.softmax(jnp.log(w) + v)
+  np.testing.assert_allclose(
+    server.dro_update(w, v, gamma=1.0, rho=100.0), unconstrained, atol=1e-6
+  )
+  np.testing.assert_allclose(server.dro_update(w, v, gamma=0.0, rho=1.0), w, atol=1e-6)
+
+
+# -- the algorithm -------------------------------------------------------------
+
+from fedjax_mm.algorithms import fedrgb as rgb  # noqa: E402
+
+
+def _tiny(method="fedrgb", client_map="vmap", **kw):
+  cfg = rgb.RgbConfig(
+    method=method,
+    stage1_steps=2,
+    stage2_steps=2,
+    batch_size=4,
+    learning_rate=1e-2,
+    client_map=client_map,
+    **kw,
+  )
+  alg, state = rgb.build(
+    cfg,
+    image_encoder="cnn_s",
+    text_encoder="gru",
+    image_size=16,
+    vocab_size=20,
+    max_len=6,
+    dim=8,
+    pretrained=False,
+    key=jax.random.key(0),
+    num_clients=3,
+  )
+  rng = np.random.default_rng(0)
+  arrays = {
+    "images": jnp.asarray(rng.normal(size=(3, 8, 16, 16, 3)), jnp.float32),
+    "captions": jnp.asarray(rng.integers(1, 20, size=(3, 8, 6)), jnp.int32),
+  }
+  mask = jnp.asarray(np.arange(8)[None] < np.array([[8], [6], [5]]))
+  return alg, state, arrays, mask
+
+
+def _client(tree, c):
+  return jax.tree.map(lambda x: x[c], tree)
+
+
+@pytest.fixture(scope="module")
+def stage1():
+  """A tiny model, its data, and stage 1 of every client run vmapped."""
+  alg, state, arrays, mask = _tiny()
+  keys = jax.random.split(jax.random.key(1), 3)
+  one = lambda k, a, m: alg.stage1_client(state.encoder, state.aligner, state.teacher, k, a, m)
+  mapped = jax.jit(lambda: rgb.map_clients(one, (keys, arrays, mask), "vmap"))()
+  return alg, state, arrays, mask, keys, one, mapped
+
+
+def test_round_runs_and_updates_weights(stage1):
+  alg, state, arrays, mask, *_ = stage1
+  new, metrics = jax.jit(alg.round)(state, arrays, mask)
+  assert int(new.round) == 1
+  assert all(np.isfinite(np.asarray(v)).all() for v in metrics.values())
+  np.testing.assert_allclose(float(np.sum(metrics["weights"])), 1.0, atol=1e-5)
+  assert float(server.chi2_divergence(metrics["weights"])) <= alg.config.rho + 1e-5
+
+
+def test_vmapped_equals_looped_client_update(stage1):
+  """Same losses and same embeddings (parameters to which the output is blind, e.g.
+
+  attention key biases, get zero gradients that Adam turns into noise-sized
+  steps of either sign, so the embeddings are compared, not every leaf)."""
+  alg, state, arrays, mask, keys, one, mapped = stage1
+  single_fn = jax.jit(one)
+  embed = jax.jit(alg.embed)
+  images, captions = arrays["images"][0], arrays["captions"][0]
+  for c in range(3):
+    enc, al, loss = single_fn(keys[c], _client(arrays, c), mask[c])
+    np.testing.assert_allclose(loss, mapped[2][c], rtol=1e-4)
+    got = embed(*_client((mapped[0], mapped[1]), c), images, captions)
+    want = embed(enc, al, images, captions)
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_raising_a_clients_weight_moves_the_global_model_towards_it(stage1):
+  aligns = stage1[-1][1]
+  client0 = jax.tree.map(lambda x: x[0], aligns)
+
+  def dist(tree):
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(client0), strict=True)
+    return sum(float(jnp.sum((a - b) ** 2)) for a, b in pairs)
+
+  uniform = dist(rgb.aggregate(aligns, jnp.asarray([1 / 3, 1 / 3, 1 / 3])))
+  raised = dist(rgb.aggregate(aligns, jnp.asarray([0.6, 0.2, 0.2])))
+  assert raised < uniform
+
+
+def test_fedavg_weights_and_traffic(stage1):
+  alg, state, _, mask, *_ = stage1
+  np.testing.assert_allclose(rgb.data_size_weights(mask), np.array([8, 6, 5]) / 19, rtol=1e-6)
+  traffic = rgb.stage_traffic(alg, state)
+  assert 0 < traffic["stage2"] == traffic["stage1"] < traffic["full_model"]
+  fedavg = rgb.FedRGB(
+    dataclasses.replace(alg.config, method="fedavg"), alg.encoder_def, alg.aligner_def
+  )
+  assert rgb.stage_traffic(fedavg, state)["stage2"] == 0
+  with pytest.raises(ValueError, match="rho"):
+    rgb.RgbConfig(rho=-1.0)
+  with pytest.raises(ValueError, match="method"):
+    rgb.RgbConfig(method="fedx")
