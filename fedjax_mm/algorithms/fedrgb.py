@@ -58,7 +58,9 @@ Model choices (scaled from the paper's ResNet-50 / BERT + 768-2048-128 heads):
 
 ``method="fedavg"`` is the baseline on the same backbone: stage 1 on
 ``L_task`` alone (no guidance), no stage 2, no DRO, aggregation weighted by
-the clients' data sizes.
+the clients' data sizes. ``method="local"`` is the paper's "Local" row: every
+client trains its own copy on ``L_task`` for ``stage1_steps`` steps a round and
+nothing is communicated; its state holds the ``K`` models stacked.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from fedjax_mm.models.user_model import l2_normalize
 PyTree = Any
 Array = jax.Array
 
-METHODS = ("fedrgb", "fedavg")
+METHODS = ("fedrgb", "fedavg", "local")
 
 
 class Encoders(nnx.Module):
@@ -230,7 +232,7 @@ class FedRGB:
       enc = params["encoder"] if cfg.train_encoders else jax.lax.stop_gradient(encoder)
       feats = self.features(enc, batch["images"], batch["captions"])
       z_i, z_t = self.align(params["aligner"], feats)
-      if cfg.method == "fedavg":
+      if cfg.method != "fedrgb":
         return losses.task_loss(z_i, z_t, tau=cfg.tau).mean()
       t_i, t_t = jax.lax.stop_gradient(self.align(teacher, feats))
       return losses.local_loss(z_i, z_t, t_i, t_t, alpha=cfg.alpha, tau=cfg.tau).mean()
@@ -265,6 +267,9 @@ class FedRGB:
   # -- the round ---------------------------------------------------------------
 
   def init(self, key: Array, encoder: PyTree, aligner: PyTree, num_clients: int) -> RgbState:
+    if self.config.method == "local":  # K private copies, stacked
+      stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * num_clients), t)
+      encoder, aligner = stack(encoder), stack(aligner)
     return RgbState(
       round=jnp.zeros((), jnp.int32),
       rng=key,
@@ -282,6 +287,14 @@ class FedRGB:
     k_v, k1, k2 = jax.random.split(key, 3)
     spec = cfg.client_map
     metrics = {}
+    if cfg.method == "local":
+      encs, aligns, loss1 = map_clients(
+        lambda e, al, kk, a, m: self.stage1_client(e, al, al, kk, a, m),
+        (state.encoder, state.aligner, jax.random.split(k1, k), arrays, mask),
+        spec,
+      )
+      new = state.replace(round=state.round + 1, encoder=encs, aligner=aligns, teacher=aligns)
+      return new, {"stage1_loss": loss1, "weights": state.weights}
     if cfg.method == "fedrgb":
       first = jax.vmap(
         lambda m, kk: jax.random.choice(kk, m.shape[0], (cfg.batch_size,), p=m / m.sum())
@@ -334,6 +347,9 @@ def aggregate(stacked: PyTree, weights: Array) -> PyTree:
 def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:
   """Bytes one client sends per round in each stage (float32 parameters)."""
   size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+  if alg.config.method == "local":  # stacked private models; nothing is sent
+    full = size(state.encoder) + size(state.aligner)
+    return {"stage1": 0, "stage2": 0, "full_model": full // state.weights.shape[0]}
   stage1 = size(state.aligner) + (size(state.encoder) if alg.config.train_encoders else 0)
   stage2 = size(state.teacher) if alg.config.method == "fedrgb" else 0
   return {

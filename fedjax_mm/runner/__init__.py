@@ -70,6 +70,7 @@ __all__ = [
 EXPERIMENTS = {
   "creamfl": "fedjax_mm.runner.creamfl",
   "fedmuscle": "fedjax_mm.runner.fedmuscle",
+  "fedrgb": "fedjax_mm.runner.fedrgb",
   "fedscmr": "fedjax_mm.runner.fedscmr",
   "pretrain": "fedjax_mm.runner.pretrain",
   "rcsr": "fedjax_mm.runner.rcsr",

@@ -1,0 +1,337 @@
+r"""FedRGB against FedAvg and Local on the embedded world (issue 19, scaled).
+
+  python -m experiments.main --config=experiments/fedrgb.py
+
+Data (App. C, scaled): the world's image-caption pairs (caption 0 of each image).
+The paper's clients hold chest X-rays labelled with five diseases and split by a
+Dirichlet / LDA draw (concentration 1) over the 2^5 disease combinations; here the
+five "diseases" are the presence of the world's first five shapes, so a pair's
+category is the 5-bit code of which of them its scene contains (32 categories),
+and each client draws its category proportions from Dirichlet(``dirichlet_alpha``)
+(:func:`fedjax_mm.data.partition.dirichlet_partition` with fixed client sizes).
+Each client's samples split into ``train_per_client`` training pairs and
+``test_per_client`` held-out pairs.
+
+Evaluation (Sec. 5 / App. C.2), on each client's held-out pairs, with the global
+model (Local: the client's own model):
+
+* ``i2t_R@K`` / ``t2i_R@K`` (K = 1, 5): both directions over the client's whole
+  held-out set (:func:`fedjax_mm.metrics.image_text_recall`);
+* ``gallery_t2i_R@K``: text-to-image with the gallery being a batch of
+  ``gallery`` pairs (App. C.2: "the gallery is a batch"), i.e. the held-out set cut
+  into consecutive folds of ``gallery`` pairs, averaged;
+* average and worst client of each (the paper's main table);
+* out-of-distribution retrieval, both directions, on ``ood_test`` pairs of the
+  world's public distribution (``shift = PUBLIC_SHIFT``; the paper's unseen
+  domain, Table 5), for Local the mean over the clients' models.
+
+Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
+Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the ablations
+and sweeps, classification and segmentation fine-tuning, the distortion matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mm import losses, metrics
+from fedjax_mm.algorithms import fedrgb as alg
+from fedjax_mm.data import partition, world
+from fedjax_mm.runner import loop
+from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.report import format_table
+
+KS = (1, 5)
+#: The five attributes whose presence makes a pair's category (the paper's five diseases).
+NUM_ATTRIBUTES = 5
+
+
+def validate(config) -> None:
+  """One-line :class:`ConfigError` naming the key; before any work."""
+  unknown = [m for m in config.methods if m not in alg.METHODS]
+  if unknown or not config.methods:
+    raise ConfigError(f"methods: unknown {unknown}; known: {list(alg.METHODS)}.")
+  if len(set(config.methods)) != len(config.methods):
+    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
+  f = config.fedrgb
+  for key in ("rho", "gamma", "alpha", "beta"):
+    value = float(f[key])
+    if not np.isfinite(value) or value < 0:
+      raise ConfigError(f"fedrgb.{key} must be a finite number >= 0, got {f[key]}.")
+  if f.dro_form not in losses.fedrgb.DRO_FORMS:
+    raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
+  lr = float(config.learning_rate)
+  if not (np.isfinite(lr) and lr > 0):
+    raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
+  if int(config.num_clients) < 2:
+    raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
+  if not float(config.dirichlet_alpha) > 0:
+    raise ConfigError(f"dirichlet_alpha must be > 0, got {config.dirichlet_alpha}.")
+  for key in (
+    "rounds",
+    "train_per_client",
+    "batch_size",
+    "stage1_steps",
+    "stage2_steps",
+    "gallery",
+    "ood_test",
+    "eval_every",
+  ):
+    if int(config[key]) < 1:
+      raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
+  if int(config.test_per_client) < int(config.gallery):
+    raise ConfigError(
+      f"test_per_client ({config.test_per_client}) must be >= gallery ({config.gallery})."
+    )
+
+
+def categories(multilabel: np.ndarray) -> np.ndarray:
+  """``[n]`` category in ``[0, 32)``: the 5-bit code of the first five shapes' presence."""
+  bits = (np.asarray(multilabel)[:, :NUM_ATTRIBUTES] > 0).astype(np.int64)
+  return bits @ (1 << np.arange(NUM_ATTRIBUTES))
+
+
+def build(config) -> dict[str, Any]:
+  """Validated config -> client data, OOD pairs, one algorithm per method, initial states."""
+  validate(config)
+  k = int(config.num_clients)
+  per_client = int(config.train_per_client) + int(config.test_per_client)
+  wcfg = world.WorldConfig(
+    image_size=config.image_size, captions_per_image=1, max_caption_len=config.max_caption_len
+  )
+  pool = world.generate(config.seed, 2 * k * per_client, config=wcfg)
+  labels = categories(pool["multilabel"])
+  parts = partition.dirichlet_partition(
+    labels, k, alpha=config.dirichlet_alpha, seed=config.seed, samples_per_client=per_client
+  )
+  rng = np.random.default_rng(config.seed + 1)
+  idx = np.stack([np.asarray(p)[rng.permutation(len(p))] for p in parts])
+  tr, te = idx[:, : config.train_per_client], idx[:, config.train_per_client :]
+  pairs = lambda i: {"images": pool["image"][i], "captions": pool["caption"][i, 0]}
+  ood = world.generate(config.seed + 7, config.ood_test, config=wcfg, shift=world.PUBLIC_SHIFT)
+  algorithms, states = {}, {}
+  for m in config.methods:
+    f = config.fedrgb
+    rcfg = alg.RgbConfig(
+      method=m,
+      alpha=f.alpha,
+      beta=f.beta,
+      gamma=f.gamma,
+      rho=f.rho,
+      dro_form=f.dro_form,
+      train_encoders=f.train_encoders,
+      stage1_steps=config.stage1_steps,
+      stage2_steps=config.stage2_steps,
+      batch_size=config.batch_size,
+      learning_rate=config.learning_rate,
+      weight_decay=config.weight_decay,
+      client_map=config.client_map,
+    )
+    # The same key for every method: the same initial aligners and client draws.
+    algorithms[m], states[m] = alg.build(
+      rcfg,
+      image_encoder=config.image_encoder,
+      text_encoder=config.text_encoder,
+      image_size=config.image_size,
+      vocab_size=len(world.VOCAB),
+      max_len=config.max_caption_len,
+      dim=config.dim,
+      pretrained=config.pretrained,
+      key=jax.random.key(config.seed + 2),
+      num_clients=k,
+    )
+  return {
+    "algorithms": algorithms,
+    "states": states,
+    "train": jax.tree.map(jnp.asarray, pairs(tr)),
+    "mask": jnp.ones(tr.shape, bool),
+    "test": jax.tree.map(jnp.asarray, pairs(te)),
+    "ood": {"images": jnp.asarray(ood["image"]), "captions": jnp.asarray(ood["caption"][:, 0])},
+    "categories": labels[idx],
+  }
+
+
+def retrieval(z_i: jax.Array, z_t: jax.Array, gallery: int) -> dict[str, jax.Array]:
+  """R@K of pairs ``(z_i[j], z_t[j])`` in percent: both directions, and t2i per gallery batch."""
+  n = z_i.shape[0]
+  ids = jnp.arange(n)
+  out = metrics.image_text_recall(z_i, z_t, ids, ks=KS)
+  used = n // gallery * gallery
+  batched = metrics.image_text_recall(z_i[:used], z_t[:used], ids[:used], ks=KS, folds=n // gallery)
+  return out | {f"gallery_t2i_R@{k}": batched[f"t2i_R@{k}"] for k in KS}
+
+
+def experiment(config) -> loop.Experiment:
+  setup = build(config)
+  algorithms, states0 = setup["algorithms"], setup["states"]
+  methods = tuple(config.methods)
+  k = int(config.num_clients)
+  gallery = int(config.gallery)
+  train, mask, test, ood = setup["train"], setup["mask"], setup["test"], setup["ood"]
+
+  def round_and_check(a, s):
+    s, out = a.round(s, train, mask)
+    leaves = jax.tree.leaves((s.encoder, s.aligner, s.teacher, s.weights))
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return s, out | {"finite": finite}
+
+  rounds = {
+    m: jax.jit(functools.partial(round_and_check, algorithms[m]), donate_argnums=0) for m in methods
+  }
+
+  # The loop hands evaluate a state alone; a Local state holds the K models stacked (one more
+  # axis), and FedRGB's and FedAvg's are evaluated alike, so the shape tells which it is.
+  embedder = algorithms[methods[0]]
+  unstacked_ndim = jax.tree.leaves(states0[methods[0]].aligner)[0].ndim - (methods[0] == "local")
+
+  def score(enc, al, b):
+    return retrieval(*embedder.embed(enc, al, b["images"], b["captions"]), gallery)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def evaluate_jit(local, encoder, aligner):
+    axes = 0 if local else None
+    own = jax.vmap(score, in_axes=(axes, axes, 0))(encoder, aligner, test)
+    if local:  # every client's model on the shared OOD pairs, averaged
+      shifted = jax.vmap(score, in_axes=(0, 0, None))(encoder, aligner, ood)
+      shifted = jax.tree.map(jnp.mean, shifted)
+    else:
+      shifted = score(encoder, aligner, ood)
+    return own, shifted
+
+  def evaluate(s) -> dict[str, Any]:
+    local = jax.tree.leaves(s.aligner)[0].ndim > unstacked_ndim
+    own, shifted = evaluate_jit(local, s.encoder, s.aligner)
+    own = {name: np.asarray(v, np.float64) for name, v in own.items()}
+    return {
+      "mean": {name: float(v.mean()) for name, v in own.items()},
+      "worst": {name: float(v.min()) for name, v in own.items()},
+      "own": {name: v.tolist() for name, v in own.items()},
+      "ood": {name: float(v) for name, v in shifted.items()},
+      "weights": np.asarray(s.weights).tolist(),
+    }
+
+  def scalars(r, outs, evals):
+    rows = []
+    for m in methods:
+      out = outs[m]
+      values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
+      if "stage2_loss" in out:
+        values["stage2_loss"] = float(np.mean(np.asarray(out["stage2_loss"])))
+        values["dro_loss_start"] = float(np.mean(np.asarray(out["dro_loss_start"])))
+        values["max_weight"] = float(np.max(np.asarray(out["weights"])))
+      if m in evals:
+        e = evals[m]
+        values |= {f"mean/{n}": v for n, v in e["mean"].items()}
+        values |= {f"worst/{n}": v for n, v in e["worst"].items()}
+        values |= {f"ood/{n}": v for n, v in e["ood"].items()}
+      rows.append((m, values))
+    return rows
+
+  traffic_bytes = {m: alg.stage_traffic(algorithms[m], states0[m]) for m in methods}
+
+  def traffic(m, out):
+    del out
+    t = traffic_bytes[m]
+    if m == "local":
+      return None
+    up = np.full(k, t["stage1"] + t["stage2"], np.int64)
+    down = np.full(k, t["stage1"], np.int64)  # the new global aligners (and encoders if trained)
+    return up, down
+
+  n_test, n_ood = int(config.test_per_client), int(config.ood_test)
+  chance = {
+    **{f"R@{k_}": 100 * min(1.0, k_ / n_test) for k_ in KS},
+    **{f"gallery_R@{k_}": 100 * min(1.0, k_ / gallery) for k_ in KS},
+    **{f"ood_R@{k_}": 100 * min(1.0, k_ / n_ood) for k_ in KS},
+  }
+
+  def report(outcome: loop.Outcome) -> loop.Report:
+    cols = [
+      ("mean", "gallery_t2i_R@1"),
+      ("worst", "gallery_t2i_R@1"),
+      ("mean", "i2t_R@1"),
+      ("worst", "i2t_R@1"),
+      ("mean", "t2i_R@1"),
+      ("worst", "t2i_R@1"),
+      ("mean", "i2t_R@5"),
+      ("mean", "t2i_R@5"),
+      ("ood", "i2t_R@1"),
+      ("ood", "t2i_R@1"),
+    ]
+    rows = [[m] + [f"{outcome.final[m][g][n]:.1f}" for g, n in cols] for m in methods]
+    c = chance
+    rows.append(
+      ["chance"]
+      + [f"{c['gallery_R@1']:.1f}"] * 2
+      + [f"{c['R@1']:.1f}"] * 4
+      + [f"{c['R@5']:.1f}"] * 2
+      + [f"{c['ood_R@1']:.1f}"] * 2
+    )
+    label = {
+      "gallery_t2i_R@1": f"T2I@1 (batch {gallery})",
+      "i2t_R@1": "I2T@1",
+      "t2i_R@1": "T2I@1",
+      "i2t_R@5": "I2T@5",
+      "t2i_R@5": "T2I@5",
+    }
+    header = ["Method"] + [f"{label[n]} {g}" for g, n in cols]
+    table = format_table(header, rows)
+    traffic_rows = [
+      [m, f"{t['stage1'] / 1e6:.3f}", f"{t['stage2'] / 1e6:.3f}", f"{t['full_model'] / 1e6:.3f}"]
+      for m, t in traffic_bytes.items()
+    ]
+    traffic_table = format_table(
+      ["Method", "stage 1 MB/client/round", "stage 2 MB", "full model MB"], traffic_rows
+    )
+    text = (
+      f"FedRGB on the world: {k} clients, Dirichlet {config.dirichlet_alpha} over the 32 "
+      f"categories, {config.rounds} rounds, {config.image_encoder} + {config.text_encoder}"
+      f"{' (World-CLIP)' if config.pretrained else ' (from scratch)'}, seed {config.seed}\n"
+      f"{table}\n\nSent per client and round (float32):\n{traffic_table}\n"
+      f"wall time {outcome.wall_time_s:.0f} s"
+      + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
+    )
+    results = {
+      "methods": {m: outcome.final[m] for m in methods},
+      "chance": chance,
+      "traffic_bytes": traffic_bytes,
+      "client_categories": np.bincount(setup["categories"].ravel(), minlength=32).tolist(),
+    }
+    return loop.Report(
+      title="FedRGB",
+      sections=[("Retrieval (R@K, %)", table), ("Traffic", traffic_table)],
+      plots={},
+      results=results,
+      text=text,
+    )
+
+  def init():
+    return {m: jax.tree.map(jnp.copy, states0[m]) for m in methods}
+
+  return loop.Experiment(
+    init=init,
+    methods={m: (lambda s, m=m: rounds[m](s)) for m in methods},
+    evaluate=evaluate,
+    nonfinite=lambda out: [] if bool(out["finite"]) else ["the global model"],
+    scalars=scalars,
+    runs=methods,
+    report=report,
+    traffic=traffic,
+    eval_every=int(config.eval_every),
+  )
+
+
+def run(
+  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
+) -> dict[str, Any]:
+  """Trains every configured method in ``workdir``; resumes a run killed there."""
+  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
+
+
+__all__ = ["build", "categories", "experiment", "retrieval", "run", "validate"]

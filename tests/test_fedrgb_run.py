@@ -1,0 +1,109 @@
+"""The FedRGB command end to end: validation (exit 2), the smoke run, resume."""
+
+import json
+import re
+import shutil
+
+import experiment_main
+import jax
+import numpy as np
+import pytest
+
+from experiments import fedrgb as fedrgb_config
+from fedjax_mm.runner import fedrgb as runner
+from fedjax_mm.runner.errors import ConfigError
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+  """A persistent compilation cache for this test only: the resumed run reuses the
+  first run's executables instead of compiling them again."""
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  previous = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  try:
+    yield
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)
+
+
+@pytest.mark.parametrize(
+  "key,value,message",
+  [
+    ("fedrgb.rho", -0.1, "fedrgb.rho must be a finite number >= 0"),
+    ("fedrgb.gamma", -1.0, "fedrgb.gamma must be a finite number >= 0"),
+    ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['eq6', 'eq12']"),
+    ("methods", ("fedrgb", "fedx"), "unknown ['fedx']"),
+    ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
+    ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
+    ("num_clients", 1, "num_clients must be >= 2"),
+  ],
+)
+def test_validate_names_the_key(key, value, message):
+  config = fedrgb_config.get_config("smoke")
+  *parents, leaf = key.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    runner.validate(config)
+
+
+def test_categories_are_the_five_shape_bits():
+  multilabel = np.zeros((3, 10), np.float32)
+  multilabel[1, [0, 2, 7]] = 1  # shape 7 is not one of the five attributes
+  multilabel[2, :5] = 1
+  np.testing.assert_array_equal(runner.categories(multilabel), [0, 1 + 4, 31])
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
+  code, _, err = experiment_main.run(
+    "experiments/fedrgb.py:smoke",
+    tmp_path / "run",
+    "--config.fedrgb.rho=-1",
+    cache_dir=main_cache,
+    timeout=300,
+  )
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "fedrgb.rho" in lines[0], err[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
+  config = fedrgb_config.get_config("smoke")
+  workdir = tmp_path / "run"
+  reference = runner.run(config, workdir, progress=False)
+  out = capsys.readouterr().out
+  assert "| fedrgb" in out and "| local" in out and "| chance" in out
+  k = config.num_clients
+  for m in config.methods:
+    final = reference["methods"][m]
+    assert len(final["own"]["i2t_R@1"]) == k
+    assert final["worst"]["t2i_R@1"] == min(final["own"]["t2i_R@1"])
+    assert final["mean"]["t2i_R@1"] == pytest.approx(np.mean(final["own"]["t2i_R@1"]))
+    assert all(0 <= v <= 100 for v in final["ood"].values())
+  weights = np.asarray(reference["methods"]["fedrgb"]["weights"])
+  np.testing.assert_allclose(weights.sum(), 1.0, atol=1e-5)
+  chi2 = np.sum((k * weights - 1) ** 2) / (2 * k)  # D(N w || 1), the paper's ball
+  assert chi2 <= config.fedrgb.rho + 1e-5
+  traffic = reference["traffic_bytes"]
+  assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
+  assert traffic["fedrgb"]["stage2"] > 0
+  assert sum(reference["client_categories"]) == k * (
+    config.train_per_client + config.test_per_client
+  )
+
+  # A crash after round 1's checkpoint: the rerun resumes and ends bit for bit where the
+  # uninterrupted run ended.
+  shutil.rmtree(workdir / "checkpoints" / str(config.rounds))
+  (workdir / "results.json").unlink()
+  resumed = runner.run(config, workdir, progress=False)
+  assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
+  assert resumed["methods"] == reference["methods"]
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for m in config.methods:
+    assert sorted(r["round"] for r in records if r["run"] == m) == list(range(1, config.rounds + 1))
