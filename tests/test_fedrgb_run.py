@@ -107,3 +107,16 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   for m in config.methods:
     assert sorted(r["round"] for r in records if r["run"] == m) == list(range(1, config.rounds + 1))
+
+  # The seeds' summary reads the same numbers back, with the paired difference.
+  table = runner.summarize([workdir])
+  fedrgb = reference["methods"]["fedrgb"]["mean"]["gallery_t2i_R@1"]
+  fedavg = reference["methods"]["fedavg"]["mean"]["gallery_t2i_R@1"]
+  assert f"| {fedrgb:.1f} ± 0.0" in table
+  assert f"| {fedrgb - fedavg:.1f} ± 0.0" in table.split("paired")[1]
+  other = tmp_path / "other"
+  shutil.copytree(workdir, other, ignore=shutil.ignore_patterns("checkpoints", "tb"))
+  cfg = json.loads((other / "config.json").read_text())
+  (other / "config.json").write_text(json.dumps(cfg | {"rounds": 3}))
+  with pytest.raises(ValueError, match="more than the seed"):
+    runner.summarize([workdir, other])

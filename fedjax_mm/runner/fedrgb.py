@@ -33,6 +33,7 @@ and sweeps, classification and segmentation fine-tuning, the distortion matrix.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 from typing import Any
 
@@ -48,6 +49,19 @@ from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
 KS = (1, 5)
+#: The report's columns: (group, metric) of ``results.json``'s ``methods.<m>``.
+COLUMNS = (
+  ("mean", "gallery_t2i_R@1"),
+  ("worst", "gallery_t2i_R@1"),
+  ("mean", "i2t_R@1"),
+  ("worst", "i2t_R@1"),
+  ("mean", "t2i_R@1"),
+  ("worst", "t2i_R@1"),
+  ("mean", "i2t_R@5"),
+  ("mean", "t2i_R@5"),
+  ("ood", "i2t_R@1"),
+  ("ood", "t2i_R@1"),
+)
 #: The five attributes whose presence makes a pair's category (the paper's five diseases).
 NUM_ATTRIBUTES = 5
 
@@ -167,6 +181,27 @@ def retrieval(z_i: jax.Array, z_t: jax.Array, gallery: int) -> dict[str, jax.Arr
   return out | {f"gallery_t2i_R@{k}": batched[f"t2i_R@{k}"] for k in KS}
 
 
+def column_labels(gallery: int) -> list[str]:
+  label = {
+    "gallery_t2i_R@1": f"T2I@1 (batch {gallery})",
+    "i2t_R@1": "I2T@1",
+    "t2i_R@1": "T2I@1",
+    "i2t_R@5": "I2T@5",
+    "t2i_R@5": "T2I@5",
+  }
+  return ["Method"] + [f"{label[n]} {g}" for g, n in COLUMNS]
+
+
+def chance_row(chance: dict[str, float]) -> list[str]:
+  return (
+    ["chance"]
+    + [f"{chance['gallery_R@1']:.1f}"] * 2
+    + [f"{chance['R@1']:.1f}"] * 4
+    + [f"{chance['R@5']:.1f}"] * 2
+    + [f"{chance['ood_R@1']:.1f}"] * 2
+  )
+
+
 def experiment(config) -> loop.Experiment:
   setup = build(config)
   algorithms, states0 = setup["algorithms"], setup["states"]
@@ -252,35 +287,10 @@ def experiment(config) -> loop.Experiment:
   }
 
   def report(outcome: loop.Outcome) -> loop.Report:
-    cols = [
-      ("mean", "gallery_t2i_R@1"),
-      ("worst", "gallery_t2i_R@1"),
-      ("mean", "i2t_R@1"),
-      ("worst", "i2t_R@1"),
-      ("mean", "t2i_R@1"),
-      ("worst", "t2i_R@1"),
-      ("mean", "i2t_R@5"),
-      ("mean", "t2i_R@5"),
-      ("ood", "i2t_R@1"),
-      ("ood", "t2i_R@1"),
-    ]
+    cols = COLUMNS
     rows = [[m] + [f"{outcome.final[m][g][n]:.1f}" for g, n in cols] for m in methods]
-    c = chance
-    rows.append(
-      ["chance"]
-      + [f"{c['gallery_R@1']:.1f}"] * 2
-      + [f"{c['R@1']:.1f}"] * 4
-      + [f"{c['R@5']:.1f}"] * 2
-      + [f"{c['ood_R@1']:.1f}"] * 2
-    )
-    label = {
-      "gallery_t2i_R@1": f"T2I@1 (batch {gallery})",
-      "i2t_R@1": "I2T@1",
-      "t2i_R@1": "T2I@1",
-      "i2t_R@5": "I2T@5",
-      "t2i_R@5": "T2I@5",
-    }
-    header = ["Method"] + [f"{label[n]} {g}" for g, n in cols]
+    rows.append(chance_row(chance))
+    header = column_labels(gallery)
     table = format_table(header, rows)
     traffic_rows = [
       [m, f"{t['stage1'] / 1e6:.3f}", f"{t['stage2'] / 1e6:.3f}", f"{t['full_model'] / 1e6:.3f}"]
@@ -327,6 +337,46 @@ def experiment(config) -> loop.Experiment:
   )
 
 
+def summarize(workdirs) -> str:
+  """The report's table as mean ± sample std over runs (seeds), and FedRGB - FedAvg paired.
+
+  ``python -m experiments.summarize --format=fedrgb runs/fedrgb_s*``: the runs must share
+  every config key but the seed (same methods, clients and test sizes).
+  """
+  runs, configs = [], []
+  for w in map(pathlib.Path, workdirs):
+    if not (w / "results.json").exists():
+      raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
+    runs.append(json.loads((w / "results.json").read_text()))
+    configs.append(json.loads((w / "config.json").read_text()))
+  if not runs:
+    raise ValueError("no workdirs given.")
+  strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
+  if any(strip(c) != strip(configs[0]) for c in configs):
+    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  methods = list(runs[0]["methods"])
+
+  def cell(values):
+    values = np.asarray(values, np.float64)
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.1f} ± {std:.1f}"
+
+  value = lambda r, m, g, n: r["methods"][m][g][n]
+  rows = [[m] + [cell([value(r, m, g, n) for r in runs]) for g, n in COLUMNS] for m in methods]
+  if "fedrgb" in methods and "fedavg" in methods:
+    rows.append(
+      ["fedrgb - fedavg (paired)"]
+      + [
+        cell([value(r, "fedrgb", g, n) - value(r, "fedavg", g, n) for r in runs])
+        for g, n in COLUMNS
+      ]
+    )
+  rows.append(chance_row(runs[0]["chance"]))
+  seeds = ", ".join(str(c["seed"]) for c in configs)
+  table = format_table(column_labels(int(configs[0]["gallery"])), rows)
+  return f"FedRGB, mean ± std over seeds {seeds} (R@K, %):\n{table}"
+
+
 def run(
   config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
@@ -334,4 +384,4 @@ def run(
   return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
-__all__ = ["build", "categories", "experiment", "retrieval", "run", "validate"]
+__all__ = ["build", "categories", "experiment", "retrieval", "run", "summarize", "validate"]
