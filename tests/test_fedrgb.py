@@ -247,3 +247,29 @@ def test_fedavg_weights_and_traffic(stage1):
     rgb.RgbConfig(rho=-1.0)
   with pytest.raises(ValueError, match="method"):
     rgb.RgbConfig(method="fedx")
+
+
+def test_contrastive_guidance_matches_numpy():
+  """The "->CL" ablation: task_loss between local and teacher outputs, per modality."""
+  rng = np.random.default_rng(5)
+  zi, zt, ti, tt = (_unit(rng, 5, 3) for _ in range(4))
+  want = _np_task(zi, ti, 0.07) + _np_task(zt, tt, 0.07)
+  got = losses.guide_contrastive_loss(zi, zt, ti, tt)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  local = losses.local_loss(zi, zt, ti, tt, alpha=2.0, guide="cl")
+  np.testing.assert_allclose(local, want + 2.0 * _np_task(zi, zt, 0.07), rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="guide"):
+    losses.local_loss(zi, zt, ti, tt, guide="l1")
+
+
+def test_ablations_average_teacher_and_uniform_weights():
+  """ "->avg.alig." skips stage 2 and the teacher is the aggregate; rho = 0 is uniform w."""
+  alg, state, arrays, mask = _tiny(teacher="average", guide="cl", rho=0.0)
+  new, metrics = jax.jit(alg.round)(state, arrays, mask)
+  assert "stage2_loss" not in metrics and np.isfinite(float(metrics["stage1_loss"].mean()))
+  np.testing.assert_allclose(metrics["weights"], np.full(3, 1 / 3), atol=1e-6)
+  for a, b in zip(jax.tree.leaves(new.teacher), jax.tree.leaves(new.aligner), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert rgb.stage_traffic(alg, new)["stage2"] == 0
+  with pytest.raises(ValueError, match="teacher"):
+    rgb.RgbConfig(teacher="ema")

@@ -113,7 +113,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   fedrgb = reference["methods"]["fedrgb"]["mean"]["gallery_t2i_R@1"]
   fedavg = reference["methods"]["fedavg"]["mean"]["gallery_t2i_R@1"]
   assert f"| {fedrgb:.1f} ± 0.0" in table
-  assert f"| {fedrgb - fedavg:.1f} ± 0.0" in table.split("paired")[1]
+  assert f"| {fedrgb - fedavg:.1f} ± 0.0" in table.split("fedrgb - fedavg (paired)")[1]
   other = tmp_path / "other"
   shutil.copytree(workdir, other, ignore=shutil.ignore_patterns("checkpoints", "tb"))
   cfg = json.loads((other / "config.json").read_text())

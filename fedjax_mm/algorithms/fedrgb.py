@@ -58,7 +58,11 @@ Model choices (scaled from the paper's ResNet-50 / BERT + 768-2048-128 heads):
 
 ``method="fedavg"`` is the baseline on the same backbone: stage 1 on
 ``L_task`` alone (no guidance), no stage 2, no DRO, aggregation weighted by
-the clients' data sizes. ``method="local"`` is the paper's "Local" row: every
+the clients' data sizes. Ablations (Sec. 5.4, Table 4): ``teacher="average"``
+("->avg.alig.": no stage 2; the teacher is the stage-1 aligners' average, weighted
+by ``w`` like the aligners, which the authors' code does in every run),
+``guide="cl"`` ("->CL": :func:`fedjax_mm.losses.guide_contrastive_loss` instead of
+eq. (1)), and ``rho=0`` (uniform DRO weights: ours). ``method="local"`` is the paper's "Local" row: every
 client trains its own copy on ``L_task`` for ``stage1_steps`` steps a round and
 nothing is communicated; its state holds the ``K`` models stacked.
 """
@@ -83,6 +87,9 @@ PyTree = Any
 Array = jax.Array
 
 METHODS = ("fedrgb", "fedavg", "local")
+#: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
+#: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
+TEACHERS = ("dro", "average")
 
 
 class Encoders(nnx.Module):
@@ -152,6 +159,8 @@ class RgbConfig:
   rho: float = 1.0
   tau: float = losses.fedrgb.TAU
   dro_form: str = "eq12"
+  teacher: str = "dro"
+  guide: str = "l2"
   train_encoders: bool = False
   stage1_steps: int = 20
   stage2_steps: int = 50
@@ -165,6 +174,10 @@ class RgbConfig:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}.")
     if self.dro_form not in losses.fedrgb.DRO_FORMS:
       raise ValueError(f"dro_form must be one of {losses.fedrgb.DRO_FORMS}, got {self.dro_form!r}.")
+    if self.teacher not in TEACHERS:
+      raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}.")
+    if self.guide not in losses.fedrgb.GUIDES:
+      raise ValueError(f"guide must be one of {losses.fedrgb.GUIDES}, got {self.guide!r}.")
     if self.rho < 0 or self.gamma < 0:
       raise ValueError(f"rho and gamma must be >= 0, got rho={self.rho}, gamma={self.gamma}.")
 
@@ -235,7 +248,9 @@ class FedRGB:
       if cfg.method != "fedrgb":
         return losses.task_loss(z_i, z_t, tau=cfg.tau).mean()
       t_i, t_t = jax.lax.stop_gradient(self.align(teacher, feats))
-      return losses.local_loss(z_i, z_t, t_i, t_t, alpha=cfg.alpha, tau=cfg.tau).mean()
+      return losses.local_loss(
+        z_i, z_t, t_i, t_t, alpha=cfg.alpha, tau=cfg.tau, guide=cfg.guide
+      ).mean()
 
     params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
     params, loss = self._train(loss_fn, params, key, arrays, mask, cfg.stage1_steps)
@@ -317,7 +332,9 @@ class FedRGB:
     encoder, aligner = aggregate((encs, aligns), weights)
     metrics["stage1_loss"] = loss1
     teacher = state.teacher
-    if cfg.method == "fedrgb":
+    if cfg.method == "fedrgb" and cfg.teacher == "average":  # "->avg.alig.": no stage 2
+      teacher = aligner
+    elif cfg.method == "fedrgb":
       teachers, loss2 = map_clients(
         lambda la, kk, a, m: self.stage2_client(encoder, la, state.teacher, kk, a, m),
         (aligns, jax.random.split(k2, k), arrays, mask),
@@ -351,7 +368,8 @@ def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:
     full = size(state.encoder) + size(state.aligner)
     return {"stage1": 0, "stage2": 0, "full_model": full // state.weights.shape[0]}
   stage1 = size(state.aligner) + (size(state.encoder) if alg.config.train_encoders else 0)
-  stage2 = size(state.teacher) if alg.config.method == "fedrgb" else 0
+  trains_teacher = alg.config.method == "fedrgb" and alg.config.teacher == "dro"
+  stage2 = size(state.teacher) if trains_teacher else 0
   return {
     "stage1": stage1,
     "stage2": stage2,

@@ -29,7 +29,13 @@ from fedjax_mm.losses.dscmr import (
   label_space_loss,
   mean_distance,
 )
-from fedjax_mm.losses.fedrgb import dro_loss, guide_loss, local_loss, task_loss
+from fedjax_mm.losses.fedrgb import (
+  dro_loss,
+  guide_contrastive_loss,
+  guide_loss,
+  local_loss,
+  task_loss,
+)
 from fedjax_mm.losses.gramian import gram_volumes, gramian_loss
 from fedjax_mm.losses.muscle import (
   DEFAULT_CHUNK_ELEMENTS,
@@ -57,6 +63,7 @@ __all__ = [
   "fedscmr_terms",
   "gram_volumes",
   "gramian_loss",
+  "guide_contrastive_loss",
   "guide_loss",
   "info_nce",
   "inter_modal_contrast",

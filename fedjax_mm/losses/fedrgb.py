@@ -12,6 +12,9 @@ image and text matrices a positive pair.
 * **L_guide** (eq. (1)): ``||z*_I,i - z_I,i||^2 + ||z*_T,i - z_T,i||^2``,
   :func:`guide_loss`.
 * **L_local** (eq. (2)): ``L_guide + alpha L_task``, :func:`local_loss`.
+  ``guide="cl"`` is the paper's "->CL" ablation (Sec. 5.4: "we replace the L-2
+  regularization with contrastive loss as a weaker regularization"): the guidance
+  becomes :func:`guide_contrastive_loss`.
 * **L_dro** (eq. (6), default): ``beta (||z~*_I - z*_I||^2 + ||z~*_T - z*_T||^2)
   + L_CL(z*_I, z~*_I) + L_task(z_I, z_T)`` where ``z*`` is the teacher on the
   distorted features (a learnable copy of the encoder), ``z~*`` the teacher on
@@ -107,6 +110,33 @@ def guide_loss(z_img: Array, z_txt: Array, teacher_img: Array, teacher_txt: Arra
   return squared_distance(teacher_img, z_img) + squared_distance(teacher_txt, z_txt)
 
 
+def guide_contrastive_loss(
+  z_img: Array,
+  z_txt: Array,
+  teacher_img: Array,
+  teacher_txt: Array,
+  *,
+  tau: float | Array = TAU,
+) -> Array:
+  r"""The "->CL" ablation's guidance per pair: contrast each local output with the teacher's.
+
+  The paper gives no formula; here it is the symmetric contrastive loss of
+  :func:`task_loss` between the local and the teacher representations of the same
+  modality (positive: the same sample; negatives: the batch's other samples),
+  summed over the two modalities:
+  ``task_loss(z_I, z*_I) + task_loss(z_T, z*_T)``. Unlike eq. (1) it only asks
+  each local output to be nearer its teacher output than the others are, a
+  weaker pull (the paper's reading).
+
+  Returns:
+    ``[n]``.
+  """
+  return task_loss(z_img, teacher_img, tau=tau) + task_loss(z_txt, teacher_txt, tau=tau)
+
+
+GUIDES = ("l2", "cl")
+
+
 def local_loss(
   z_img: Array,
   z_txt: Array,
@@ -115,11 +145,20 @@ def local_loss(
   *,
   alpha: float | Array = 1.0,
   tau: float | Array = TAU,
+  guide: str = "l2",
 ) -> Array:
-  """Stage-1 loss per pair (eq. (2)): ``L_guide + alpha L_task``; ``[n]``."""
-  return guide_loss(z_img, z_txt, teacher_img, teacher_txt) + alpha * task_loss(
-    z_img, z_txt, tau=tau
-  )
+  """Stage-1 loss per pair (eq. (2)): ``L_guide + alpha L_task``; ``[n]``.
+
+  ``guide="l2"`` is eq. (1) (:func:`guide_loss`), ``"cl"`` the "->CL" ablation
+  (:func:`guide_contrastive_loss`).
+  """
+  if guide == "l2":
+    g = guide_loss(z_img, z_txt, teacher_img, teacher_txt)
+  elif guide == "cl":
+    g = guide_contrastive_loss(z_img, z_txt, teacher_img, teacher_txt, tau=tau)
+  else:
+    raise ValueError(f"guide must be one of {GUIDES}, got {guide!r}.")
+  return g + alpha * task_loss(z_img, z_txt, tau=tau)
 
 
 def dro_loss(

@@ -26,8 +26,11 @@ model (Local: the client's own model):
   domain, Table 5), for Local the mean over the clients' models.
 
 Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
-Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the ablations
-and sweeps, classification and segmentation fine-tuning, the distortion matrix.
+Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Table 4,
+``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
+(``rho = 0``: uniform DRO weights; ours). Not built yet (issue 19): FedEMA / FedX /
+FedMAE, the centralised row, the sweeps, classification and segmentation fine-tuning,
+the distortion matrix.
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
 KS = (1, 5)
+#: Row name -> (algorithm method, RgbConfig overrides): the paper's rows and ablations.
+ROWS = {
+  "fedrgb": ("fedrgb", {}),
+  "fedavg": ("fedavg", {}),
+  "local": ("local", {}),
+  "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
+  "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
+  "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
+}
+
 #: The report's columns: (group, metric) of ``results.json``'s ``methods.<m>``.
 COLUMNS = (
   ("mean", "gallery_t2i_R@1"),
@@ -68,9 +81,9 @@ NUM_ATTRIBUTES = 5
 
 def validate(config) -> None:
   """One-line :class:`ConfigError` naming the key; before any work."""
-  unknown = [m for m in config.methods if m not in alg.METHODS]
+  unknown = [m for m in config.methods if m not in ROWS]
   if unknown or not config.methods:
-    raise ConfigError(f"methods: unknown {unknown}; known: {list(alg.METHODS)}.")
+    raise ConfigError(f"methods: unknown {unknown}; known: {list(ROWS)}.")
   if len(set(config.methods)) != len(config.methods):
     raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
   f = config.fedrgb
@@ -132,8 +145,9 @@ def build(config) -> dict[str, Any]:
   algorithms, states = {}, {}
   for m in config.methods:
     f = config.fedrgb
-    rcfg = alg.RgbConfig(
-      method=m,
+    method, overrides = ROWS[m]
+    settings = dict(
+      method=method,
       alpha=f.alpha,
       beta=f.beta,
       gamma=f.gamma,
@@ -147,6 +161,7 @@ def build(config) -> dict[str, Any]:
       weight_decay=config.weight_decay,
       client_map=config.client_map,
     )
+    rcfg = alg.RgbConfig(**(settings | overrides))
     # The same key for every method: the same initial aligners and client draws.
     algorithms[m], states[m] = alg.build(
       rcfg,
@@ -256,10 +271,10 @@ def experiment(config) -> loop.Experiment:
     for m in methods:
       out = outs[m]
       values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
-      if "stage2_loss" in out:
-        values["stage2_loss"] = float(np.mean(np.asarray(out["stage2_loss"])))
-        values["dro_loss_start"] = float(np.mean(np.asarray(out["dro_loss_start"])))
-        values["max_weight"] = float(np.max(np.asarray(out["weights"])))
+      for name in ("stage2_loss", "dro_loss_start"):
+        if name in out:
+          values[name] = float(np.mean(np.asarray(out[name])))
+      values["max_weight"] = float(np.max(np.asarray(out["weights"])))
       if m in evals:
         e = evals[m]
         values |= {f"mean/{n}": v for n, v in e["mean"].items()}
@@ -273,7 +288,7 @@ def experiment(config) -> loop.Experiment:
   def traffic(m, out):
     del out
     t = traffic_bytes[m]
-    if m == "local":
+    if ROWS[m][0] == "local":
       return None
     up = np.full(k, t["stage1"] + t["stage2"], np.int64)
     down = np.full(k, t["stage1"], np.int64)  # the new global aligners (and encoders if trained)
@@ -338,7 +353,7 @@ def experiment(config) -> loop.Experiment:
 
 
 def summarize(workdirs) -> str:
-  """The report's table as mean ± sample std over runs (seeds), and FedRGB - FedAvg paired.
+  """The report's table as mean ± sample std over runs (seeds); FedRGB minus each other row, paired.
 
   ``python -m experiments.summarize --format=fedrgb runs/fedrgb_s*``: the runs must share
   every config key but the seed (same methods, clients and test sizes).
@@ -363,14 +378,14 @@ def summarize(workdirs) -> str:
 
   value = lambda r, m, g, n: r["methods"][m][g][n]
   rows = [[m] + [cell([value(r, m, g, n) for r in runs]) for g, n in COLUMNS] for m in methods]
-  if "fedrgb" in methods and "fedavg" in methods:
-    rows.append(
-      ["fedrgb - fedavg (paired)"]
-      + [
-        cell([value(r, "fedrgb", g, n) - value(r, "fedavg", g, n) for r in runs])
-        for g, n in COLUMNS
-      ]
-    )
+  if "fedrgb" in methods:
+    for other in (m for m in methods if m != "fedrgb"):
+      rows.append(
+        [f"fedrgb - {other} (paired)"]
+        + [
+          cell([value(r, "fedrgb", g, n) - value(r, other, g, n) for r in runs]) for g, n in COLUMNS
+        ]
+      )
   rows.append(chance_row(runs[0]["chance"]))
   seeds = ", ".join(str(c["seed"]) for c in configs)
   table = format_table(column_labels(int(configs[0]["gallery"])), rows)
