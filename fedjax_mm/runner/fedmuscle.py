@@ -35,6 +35,7 @@ from fedjax_mm.algorithms import fedmuscle, local_training
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.writers import metric_series
 
@@ -47,9 +48,6 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 METHODS = ("fedmuscle", "local")
-#: Caption length in the tokens of an ``hf:`` text encoder (the world's captions are at most
-#: 16 words; word pieces and [CLS] / [SEP] need more).
-HF_MAX_LEN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,41 +116,8 @@ def validate(config) -> tuple[User, ...]:
 
 
 def text_tokenizer(users: Sequence[User]) -> str | None:
-  """The ``hf:`` checkpoint whose tokenizer every caption goes through, or None (the world's ids).
-
-  Captions are shared (the public set is one array), so text users cannot mix the
-  world's vocabulary with a checkpoint's: either no text user has an ``hf:`` encoder,
-  or all of them name the same checkpoint.
-  """
-  text = [u for u in users if TASKS[u.task][1] == "caption"]
-  hf_names = {u.encoder for u in text if models.hf.is_hf(u.encoder)}
-  if not hf_names:
-    return None
-  if len(hf_names) > 1 or len(hf_names) < len({u.encoder for u in text}):
-    raise ConfigError(
-      "text users share the public captions, so they must share a tokenizer: either no "
-      f"hf: text encoder or the same one for all, got {sorted({u.encoder for u in text})}."
-    )
-  return hf_names.pop()
-
-
-def retokenize(captions: np.ndarray, checkpoint: str, max_len: int) -> np.ndarray:
-  """World caption ids ``int [..., L]`` -> the checkpoint tokenizer's ids ``int32 [..., max_len]``.
-
-  The world's captions are English words: they are decoded to text and encoded
-  again with the checkpoint's tokenizer (``[CLS] ... [SEP]``, padded with 0 = the
-  zoo's and BERT's PAD, truncated to ``max_len``).
-  """
-  captions = np.asarray(captions)
-  texts = data.world.decode(captions.reshape(-1, captions.shape[-1]))
-  tok = models.hf.tokenizer(checkpoint)
-  if tok.pad_token_id != models.hf.PAD_ID:
-    raise ConfigError(
-      f"{checkpoint}: its tokenizer pads with id {tok.pad_token_id}, the zoo expects "
-      f"{models.hf.PAD_ID}."
-    )
-  out = tok(texts, padding="max_length", truncation=True, max_length=max_len, return_tensors="np")
-  return out["input_ids"].astype(np.int32).reshape(*captions.shape[:-1], max_len)
+  """The ``hf:`` checkpoint whose tokenizer every caption goes through, or None (the world's ids)."""
+  return text_lib.shared_tokenizer(u.encoder for u in users if TASKS[u.task][1] == "caption")
 
 
 def _muscle_config(config) -> fedmuscle.MuscleConfig:
@@ -180,8 +145,8 @@ def _user_data(config, users: Sequence[User]):
   checkpoint = text_tokenizer(users)
   if checkpoint is not None:  # every caption in the checkpoint's token space
     for _, d in (*train, *test):
-      d["caption"] = retokenize(d["caption"], checkpoint, HF_MAX_LEN)
-    public["caption"] = retokenize(public["caption"], checkpoint, HF_MAX_LEN)
+      d["caption"] = text_lib.retokenize(d["caption"], checkpoint)
+    public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
   keys = {"image": ("image",), "text": ("caption",)}
   public = {k: jnp.asarray(public[k]) for m in config.public.modalities for k in keys[m]}
   return dict(sorted(train)), dict(sorted(test)), public
