@@ -28,7 +28,9 @@ model (Local: the client's own model):
 Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
 Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
-(``rho = 0``: uniform DRO weights; ours). Not built yet (issue 19): FedEMA / FedX /
+(``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
+``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
+take (ours: a compute-matched control). Not built yet (issue 19): FedEMA / FedX /
 FedMAE, the centralised row, the sweeps, classification and segmentation fine-tuning,
 the distortion matrix.
 """
@@ -60,6 +62,9 @@ ROWS = {
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
+  # FedAvg with as many aligner steps a round as FedRGB's two stages (ours): a control for
+  # FedRGB's extra stage-2 training.
+  "fedavg_matched": ("fedavg", {}),
 }
 
 #: The report's columns: (group, metric) of ``results.json``'s ``methods.<m>``.
@@ -161,6 +166,8 @@ def build(config) -> dict[str, Any]:
       weight_decay=config.weight_decay,
       client_map=config.client_map,
     )
+    if m == "fedavg_matched":
+      overrides = {"stage1_steps": int(config.stage1_steps) + int(config.stage2_steps)}
     rcfg = alg.RgbConfig(**(settings | overrides))
     # The same key for every method: the same initial aligners and client draws.
     algorithms[m], states[m] = alg.build(
