@@ -273,3 +273,19 @@ def test_ablations_average_teacher_and_uniform_weights():
   assert rgb.stage_traffic(alg, new)["stage2"] == 0
   with pytest.raises(ValueError, match="teacher"):
     rgb.RgbConfig(teacher="ema")
+
+
+def test_with_frozen_encoders_stage_one_cannot_change_the_round():
+  """Algorithm 1 line 27 makes the teacher the next aligners and eq. (12) does not read the
+  local aligners, so with frozen encoders (the authors' code) stage 1 cannot change the
+  round's result: the "->CL" guidance gives bit for bit the state eq. (1)'s gives. (With
+  ``train_encoders=True``, the paper's "whole model jointly optimized", stage 1 reaches the
+  next round through the aggregated encoders.)"""
+  outs = []
+  for guide in ("l2", "cl"):
+    alg, state, arrays, mask = _tiny(guide=guide)
+    new, metrics = jax.jit(alg.round)(state, arrays, mask)
+    outs.append((jax.tree.leaves((new.encoder, new.aligner)), metrics["stage1_loss"]))
+  (l2, l2_loss), (cl, cl_loss) = outs
+  assert not np.allclose(l2_loss, cl_loss)  # stage 1 did run on different losses
+  assert all(np.array_equal(a, b) for a, b in zip(l2, cl, strict=True))

@@ -51,7 +51,14 @@ Model choices (scaled from the paper's ResNet-50 / BERT + 768-2048-128 heads):
 * Projection head: Linear -> GELU -> Linear to ``d`` and L2-normalised; no
   BatchNorm (the library's models hold no batch statistics).
 * Encoders frozen in stage 1 by default (the code; the paper trains the whole
-  model): ``train_encoders=True`` is the paper's.
+  model): ``train_encoders=True`` is the paper's. **With frozen encoders and eq.
+  (12), stage 1 cannot change the result**: line 27 replaces the aligners by the
+  teacher, eq. (12) does not read the local aligners, and the encoders do not
+  move, so the local aligners trained in stage 1 reach nothing (tested: the
+  "->CL" guidance gives bit for bit the round eq. (1) gives). FedRGB then reduces
+  to the DRO-weighted teacher step. In the authors' code stage 1 counts because
+  their teacher is the average of the stage-1 aligners (``teacher="average"``);
+  in the paper's Algorithm 1 it counts through the encoders it trains.
 * Losses reduced by the mean over the batch (:mod:`fedjax_mm.losses.fedrgb`).
 * Optimiser: AdamW (weight decay 0.05, App. C), fresh state every stage and
   round (the code re-creates its optimiser per round).
