@@ -30,3 +30,18 @@ def x64():
 def main_cache(tmp_path_factory):
   """JAX compilation cache shared by the ``experiments.main`` subprocesses of one session."""
   return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+  """A persistent compilation cache for this test only: the resumed run reuses the
+  first run's executables instead of compiling them again."""
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  previous = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  try:
+    yield
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)

@@ -4,28 +4,12 @@ import json
 import shutil
 
 import experiment_main
-import jax
 import numpy as np
 import pytest
 
 from experiments import fedscmr as fedscmr_config
 from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner.workdir import WorkdirError
-
-
-@pytest.fixture
-def compilation_cache(tmp_path):
-  """A persistent compilation cache for this test only: the resumed run reuses the
-  first run's executables instead of compiling them again."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-  previous = {name: getattr(jax.config, name) for name in names}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  try:
-    yield
-  finally:
-    for name, value in previous.items():
-      jax.config.update(name, value)
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
