@@ -23,6 +23,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
+    ("text_encoder", "vit_t", "text_encoder: unknown text encoder 'vit_t'"),
   ],
 )
 def test_validate_names_the_key(key, value, message):

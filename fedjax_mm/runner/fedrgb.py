@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_mm import losses, metrics
+from fedjax_mm import losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import loop
@@ -117,6 +117,15 @@ def validate(config) -> None:
   ):
     if int(config[key]) < 1:
       raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
+  for key, modality in (("image_encoder", "image"), ("text_encoder", "text")):
+    name = config[key]
+    if models.ENCODERS.get(name, ("",))[0] != modality:
+      known = [n for n, (m, _) in models.ENCODERS.items() if m == modality]
+      raise ConfigError(f"{key}: unknown {modality} encoder {name!r}; known: {', '.join(known)}.")
+  if int(config.dim) < 1 or not float(config.weight_decay) >= 0:
+    raise ConfigError(
+      f"dim must be >= 1 and weight_decay >= 0, got {config.dim}, {config.weight_decay}."
+    )
   if int(config.test_per_client) < int(config.gallery):
     raise ConfigError(
       f"test_per_client ({config.test_per_client}) must be >= gallery ({config.gallery})."
