@@ -177,16 +177,7 @@ class DualEncoder(nnx.Module):
     rngs: nnx.Rngs,
     pretrained: str | None = None,
   ):
-    if (
-      models.encoder_modality(image_encoder, "image" if models.hf.is_hf(image_encoder) else None)
-      != "image"
-    ):
-      raise ValueError(f"{image_encoder!r} is not an image encoder.")
-    if (
-      models.encoder_modality(text_encoder, "text" if models.hf.is_hf(text_encoder) else None)
-      != "text"
-    ):
-      raise ValueError(f"{text_encoder!r} is not a text encoder.")
+    # build_encoder checks the modality (a ValueError naming the encoder).
     self.image_encoder = models.build_encoder(
       image_encoder, rngs=rngs, image_size=image_size, modality="image"
     )

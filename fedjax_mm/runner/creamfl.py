@@ -76,19 +76,6 @@ def _cream_config(config) -> creamfl.CreamConfig:
   return creamfl.CreamConfig(**config.creamfl.to_dict())
 
 
-def _check_encoder(where: str, name: str, modality: str) -> None:
-  if not models.hf.is_hf(name) and name not in models.ENCODERS:
-    raise ConfigError(
-      f"{where}: unknown encoder {name!r}; known: {', '.join(models.ENCODERS)} or hf:<folder>."
-    )
-  try:
-    found = models.encoder_modality(name, modality if models.hf.is_hf(name) else None)
-  except ValueError as e:  # HfError: no such folder, unsupported, or the other modality
-    raise ConfigError(f"{where}: {e}") from None
-  if found != modality:
-    raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
-
-
 def text_tokenizer(config) -> str | None:
   """The ``hf:`` checkpoint all captions go through (the server, multimodal and text
   clients read the same public captions), or None for the world's ids."""
@@ -144,12 +131,12 @@ def validate(config) -> None:
       raise ConfigError(f"clients.{name}: num and train_size must be >= 1.")
     total += spec.num
     if name == "multimodal":
-      _check_encoder("clients.multimodal.image_encoder", spec.image_encoder, "image")
-      _check_encoder("clients.multimodal.text_encoder", spec.text_encoder, "text")
+      validation.check_encoder("clients.multimodal.image_encoder", spec.image_encoder, "image")
+      validation.check_encoder("clients.multimodal.text_encoder", spec.text_encoder, "text")
     else:
-      _check_encoder(f"clients.{name}.encoder", spec.encoder, name)
-  _check_encoder("server.image_encoder", config.server.image_encoder, "image")
-  _check_encoder("server.text_encoder", config.server.text_encoder, "text")
+      validation.check_encoder(f"clients.{name}.encoder", spec.encoder, name)
+  validation.check_encoder("server.image_encoder", config.server.image_encoder, "image")
+  validation.check_encoder("server.text_encoder", config.server.text_encoder, "text")
   text_tokenizer(config)
   c = config.creamfl
   if not 1 <= c.num_selected <= total:

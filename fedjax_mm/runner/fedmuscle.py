@@ -75,19 +75,7 @@ def validate(config) -> tuple[User, ...]:
     if u.task not in TASKS:
       raise ConfigError(f"{u.name}: unknown task {u.task!r}; known: {', '.join(TASKS)}.")
     modality = "text" if TASKS[u.task][1] == "caption" else "image"
-    if not models.hf.is_hf(u.encoder) and u.encoder not in models.ENCODERS:
-      raise ConfigError(
-        f"{u.name}: unknown encoder {u.encoder!r}; known: {', '.join(models.ENCODERS)} "
-        "or hf:<checkpoint folder>."
-      )
-    try:
-      found = models.encoder_modality(u.encoder, modality if models.hf.is_hf(u.encoder) else None)
-    except ValueError as e:  # HfError: no such folder, unsupported or the other modality
-      raise ConfigError(f"{u.name}: {e}") from None
-    if found != modality:
-      raise ConfigError(
-        f"{u.name}: task {u.task!r} reads {modality} but encoder {u.encoder!r} encodes {found}."
-      )
+    validation.check_encoder(f"{u.name} (task {u.task!r})", u.encoder, modality)
     if modality not in config.public.modalities:
       raise ConfigError(
         f"{u.name} needs {modality} in the public set, which has only {tuple(config.public.modalities)}."

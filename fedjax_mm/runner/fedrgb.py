@@ -54,7 +54,8 @@ from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
 KS = (1, 5)
-#: Row name -> (algorithm method, RgbConfig overrides): the paper's rows and ablations.
+#: Row name -> (algorithm method, RgbConfig overrides; a callable override is a function of
+#: the experiment config): the paper's rows and ablations.
 ROWS = {
   "fedrgb": ("fedrgb", {}),
   "fedavg": ("fedavg", {}),
@@ -64,7 +65,7 @@ ROWS = {
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
   # FedAvg with as many aligner steps a round as FedRGB's two stages (ours): a control for
   # FedRGB's extra stage-2 training.
-  "fedavg_matched": ("fedavg", {}),
+  "fedavg_matched": ("fedavg", {"stage1_steps": lambda c: c.stage1_steps + c.stage2_steps}),
 }
 
 #: The report's columns: (group, metric) of ``results.json``'s ``methods.<m>``.
@@ -156,42 +157,49 @@ def build(config) -> dict[str, Any]:
   tr, te = idx[:, : config.train_per_client], idx[:, config.train_per_client :]
   pairs = lambda i: {"images": pool["image"][i], "captions": pool["caption"][i, 0]}
   ood = world.generate(config.seed + 7, config.ood_test, config=wcfg, shift=world.PUBLIC_SHIFT)
+  f = config.fedrgb
+  settings = dict(
+    alpha=f.alpha,
+    beta=f.beta,
+    gamma=f.gamma,
+    rho=f.rho,
+    dro_form=f.dro_form,
+    train_encoders=f.train_encoders,
+    stage1_steps=config.stage1_steps,
+    stage2_steps=config.stage2_steps,
+    batch_size=config.batch_size,
+    learning_rate=config.learning_rate,
+    weight_decay=config.weight_decay,
+    client_map=config.client_map,
+  )
+  # The model is built (and its World-CLIP weights read) once: every row starts from the
+  # same encoders, aligners and key, hence the same client draws.
+  base, base_state = alg.build(
+    alg.RgbConfig(method="fedavg", **settings),
+    image_encoder=config.image_encoder,
+    text_encoder=config.text_encoder,
+    image_size=config.image_size,
+    vocab_size=len(world.VOCAB),
+    max_len=config.max_caption_len,
+    dim=config.dim,
+    pretrained=config.pretrained,
+    key=jax.random.key(config.seed + 2),
+    num_clients=k,
+  )
   algorithms, states = {}, {}
   for m in config.methods:
-    f = config.fedrgb
     method, overrides = ROWS[m]
-    settings = dict(
-      method=method,
-      alpha=f.alpha,
-      beta=f.beta,
-      gamma=f.gamma,
-      rho=f.rho,
-      dro_form=f.dro_form,
-      train_encoders=f.train_encoders,
-      stage1_steps=config.stage1_steps,
-      stage2_steps=config.stage2_steps,
-      batch_size=config.batch_size,
-      learning_rate=config.learning_rate,
-      weight_decay=config.weight_decay,
-      client_map=config.client_map,
+    overrides = {key: v(config) if callable(v) else v for key, v in overrides.items()}
+    a = alg.FedRGB(
+      alg.RgbConfig(**(settings | {"method": method} | overrides)),
+      base.encoder_def,
+      base.aligner_def,
     )
-    if m == "fedavg_matched":
-      overrides = {"stage1_steps": int(config.stage1_steps) + int(config.stage2_steps)}
-    rcfg = alg.RgbConfig(**(settings | overrides))
-    # The same key for every method: the same initial aligners and client draws.
-    algorithms[m], states[m] = alg.build(
-      rcfg,
-      image_encoder=config.image_encoder,
-      text_encoder=config.text_encoder,
-      image_size=config.image_size,
-      vocab_size=len(world.VOCAB),
-      max_len=config.max_caption_len,
-      dim=config.dim,
-      pretrained=config.pretrained,
-      key=jax.random.key(config.seed + 2),
-      num_clients=k,
-    )
+    algorithms[m] = a
+    states[m] = a.init(base_state.rng, base_state.encoder, base_state.aligner, k)
   return {
+    "base": base,
+    "base_state": base_state,
     "algorithms": algorithms,
     "states": states,
     "train": jax.tree.map(jnp.asarray, pairs(tr)),
@@ -253,8 +261,8 @@ def experiment(config) -> loop.Experiment:
 
   # The loop hands evaluate a state alone; a Local state holds the K models stacked (one more
   # axis), and FedRGB's and FedAvg's are evaluated alike, so the shape tells which it is.
-  embedder = algorithms[methods[0]]
-  unstacked_ndim = jax.tree.leaves(states0[methods[0]].aligner)[0].ndim - (methods[0] == "local")
+  embedder = setup["base"]
+  unstacked_ndim = jax.tree.leaves(setup["base_state"].aligner)[0].ndim
 
   def score(enc, al, b):
     return retrieval(*embedder.embed(enc, al, b["images"], b["captions"]), gallery)
@@ -318,8 +326,7 @@ def experiment(config) -> loop.Experiment:
   }
 
   def report(outcome: loop.Outcome) -> loop.Report:
-    cols = COLUMNS
-    rows = [[m] + [f"{outcome.final[m][g][n]:.1f}" for g, n in cols] for m in methods]
+    rows = [[m] + [f"{outcome.final[m][g][n]:.1f}" for g, n in COLUMNS] for m in methods]
     rows.append(chance_row(chance))
     header = column_labels(gallery)
     table = format_table(header, rows)

@@ -10,6 +10,7 @@ world's (no ``hf:``) or all of them are the same checkpoint (:func:`shared_token
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -41,6 +42,12 @@ def shared_tokenizer(text_encoders: Iterable[str]) -> str | None:
   return hf_names.pop()
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(checkpoint: str):
+  """The checkpoint's tokenizer, read once per process (a run re-tokenises many caption sets)."""
+  return models.hf.tokenizer(checkpoint)
+
+
 def retokenize(captions: np.ndarray, checkpoint: str, max_len: int = HF_MAX_LEN) -> np.ndarray:
   """World caption ids ``int [..., L]`` -> the checkpoint tokenizer's ids ``int32 [..., max_len]``.
 
@@ -52,7 +59,7 @@ def retokenize(captions: np.ndarray, checkpoint: str, max_len: int = HF_MAX_LEN)
   """
   captions = np.asarray(captions)
   texts = data.world.decode(captions.reshape(-1, captions.shape[-1]))
-  tok = models.hf.tokenizer(checkpoint)
+  tok = _tokenizer(checkpoint)
   if tok.pad_token_id != models.hf.PAD_ID:
     raise ConfigError(
       f"{checkpoint}: its tokenizer pads with id {tok.pad_token_id}, the zoo expects "

@@ -316,3 +316,24 @@ def check_faults(config: Any) -> Faults:
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return faults
+
+
+def check_encoder(where: str, name: str, modality: str) -> None:
+  """``name`` is a zoo encoder or an ``hf:`` checkpoint that reads ``modality``.
+
+  Raises :class:`ConfigError` naming ``where``: an unknown name, a missing or
+  unsupported checkpoint folder, or an encoder of the other modality.
+  """
+  from fedjax_mm import models  # jax, only when validating
+
+  hf = models.hf.is_hf(name)
+  if not hf and name not in models.ENCODERS:
+    raise ConfigError(
+      f"{where}: unknown encoder {name!r}; known: {', '.join(models.ENCODERS)} or hf:<folder>."
+    )
+  try:  # a CLIP folder holds both towers: ``modality`` picks one
+    found = models.encoder_modality(name, modality if hf else None)
+  except ValueError as e:  # HfError
+    raise ConfigError(f"{where}: {e}") from None
+  if found != modality:
+    raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
