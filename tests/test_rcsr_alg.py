@@ -1,6 +1,7 @@
 """RCSR on the engine: the missing tower gets no update under AdamW, personal adapters
 never leave the client, mapped == looped client updates, every method's round runs."""
 
+import dataclasses
 import functools
 
 import jax
@@ -157,3 +158,74 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup):
   assert sent < sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
   names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(glob)}
   assert not any("personal" in n or "encoder" in n for n in names)
+
+
+def test_ablation_switches_act(setup):
+  """Table 5 / C.4 ablations: each removes what it names and nothing else."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  no_align = alg.method("rcsr_no_align")
+  assert float(no_align.lambda_a) == 0 and float(no_align.lambda_s) == 0
+  assert bool(no_align.router) and bool(no_align.fair)
+  state0 = jax.jit(functools.partial(alg.init, spec))(
+    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
+  )
+  step = jax.jit(functools.partial(alg.round_step, spec, frozen))
+
+  def two_rounds(name):
+    state = state0
+    outs = []
+    for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
+      state, out = step(alg.method(name), state, arrays, mask, mod)
+      outs.append(out)
+    return state, outs
+
+  full, full_out = two_rounds("rcsr")
+  no_minimax, _ = two_rounds("rcsr_no_minimax")
+  np.testing.assert_array_equal(no_minimax.fair.q, state0.fair.q)  # no q game
+  moved = _changed(no_minimax.router, state0.router, "")
+  assert max(moved.values()) > 0  # ... but the router trains
+  zero, zero_out = two_rounds("rcsr_zero_fill")
+  # Round 1 (warm-up: data-size weights) is the same; the zero fill reaches the router.
+  np.testing.assert_array_equal(zero_out[0]["weight"], full_out[0]["weight"])
+  assert float(zero_out[1]["router_loss"]) != float(full_out[1]["router_loss"])
+  # ... and only the router: the EMA prototypes of round 1 are the full method's.
+  one_full, _ = step(alg.method("rcsr"), state0, arrays, mask, mod)
+  one_zero, _ = step(alg.method("rcsr_zero_fill"), state0, arrays, mask, mod)
+  np.testing.assert_array_equal(one_zero.prototypes, one_full.prototypes)
+
+
+def test_strength_eq13_or_fixed(setup):
+  spec = setup[0]
+  wr = jnp.asarray([0.05, 0.3, 0.6])
+  adaptive = alg.strength(spec, alg.method("rcsr_p"), wr)
+  expect = np.minimum(spec.lambda_p * (1 + np.maximum(0, 0.5 - np.asarray(wr))), 0.5)
+  np.testing.assert_allclose(adaptive, expect, rtol=1e-6)
+  fixed = alg.strength(spec, alg.method("rcsr_p_fixed"), wr)
+  np.testing.assert_allclose(fixed, np.full(3, spec.lambda_p), rtol=1e-6)
+
+
+def test_personal_learning_rate_ratio_acts(setup):
+  """Sec. 4.5's 0.1 x lr is a config knob: 0 freezes the adapter, 1 moves it more."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  protos = jnp.ones((2, 8)) / jnp.sqrt(8.0)
+  k_arrays = jax.tree.map(lambda x: x[0], arrays)
+
+  def moved(r):
+    s = dataclasses.replace(spec, personal_lr_ratio=r)
+    fn = jax.jit(functools.partial(alg.client_update, s, frozen, alg.method("rcsr_p"), glob))
+    _, new, _ = fn(
+      protos,
+      jnp.asarray(1e-2),
+      jnp.asarray(True),
+      personal,
+      jax.random.key(0),
+      k_arrays,
+      mask[0],
+      mod[0],
+      jnp.asarray(0.3),
+    )
+    return max(_changed(new, personal, "").values())
+
+  base = moved(0.1)
+  assert base > 0 and moved(0.0) == 0.0
+  assert moved(1.0) > 3 * base

@@ -1,10 +1,13 @@
 """The RCSR command end to end: bad configs are one line and exit 2; the smoke run
-writes its table, results (per-client scores, fairness, q) and checkpoints."""
+writes its table, results (per-client scores, fairness, q) and checkpoints, and a run
+killed after a checkpoint resumes bit for bit."""
 
 import json
 import re
+import shutil
 
 import experiment_main
+import jax
 import pytest
 
 from experiments import rcsr as rcsr_config
@@ -28,7 +31,7 @@ def test_validate_names_the_key(key, value, message):
     runner.validate(config)
 
 
-def test_smoke_run_and_exit_2(tmp_path, main_cache):
+def test_smoke_run_exit_2_and_resume(tmp_path, main_cache, capsys):
   code, _, err = experiment_main.run(
     "experiments/rcsr.py:smoke",
     tmp_path / "bad",
@@ -51,3 +54,21 @@ def test_smoke_run_and_exit_2(tmp_path, main_cache):
     assert abs(sum(final["q"]) - 1) < 1e-5
   assert results["methods"]["fedavg"]["q"] == [0.25] * 4  # no q game for FedAvg
   assert (tmp_path / "run" / "checkpoints").exists()
+
+  # A crash after round 1's checkpoint: resumed in this process (reusing the subprocess's
+  # executables through the shared cache), the run ends bit for bit where it ended.
+  config = rcsr_config.get_config("smoke")
+  workdir = tmp_path / "run"
+  shutil.rmtree(workdir / "checkpoints" / str(config.rounds))
+  (workdir / "results.json").unlink()
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  previous = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(main_cache))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  try:
+    resumed = runner.run(config, workdir, progress=False)
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)
+  assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
+  assert resumed["methods"] == results["methods"]

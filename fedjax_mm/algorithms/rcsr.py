@@ -203,6 +203,7 @@ class RcsrDef:
   proto_momentum: float = 0.9  # mu
   lambda_p: float = 0.3
   personal_start: int = 0  # T_p
+  personal_lr_ratio: float = 0.1  # Sec. 4.5: the personal adapters train at 0.1 x lr
   client_map: str = "auto"
   eval_batch: int = 256
 
@@ -220,24 +221,55 @@ class Method:
   router: Array  # bool: learnt w^R after warm-up (RCSR)
   fair: Array  # bool: the q game (RCSR)
   personal: Array  # bool: RCSR-p's personal adapters
+  fixed_strength: Array  # bool: s_k = lambda_p for every client instead of eq. (13)
+  zero_fill: Array  # bool: the missing prototype slot of s_k is 0, not the EMA prototype
+
+
+# name -> the switches it turns on. The last five are Table 5's and Sec. C.4's ablations:
+# "w/o minimax game" (no q: w = w^R), "w/o client align" (eq. (4)'s two regularisers off,
+# lambda_a = lambda_s = 0: L_align is what Sec. 5.6 calls the client alignment loss),
+# "FedAvg + per-client adapter" (RCSR-p's adapters on FedAvg; s_k from the initial w^R
+# = 1 / floor(C N), since FedAvg has no router), "RCSR-p (fixed lambda)" (s_k = lambda_p)
+# and the zero-padding fill of the missing slot (C.4; the learnable placeholder is not
+# built).
+_SWITCHES: dict[str, tuple[str, ...]] = {
+  "fedavg": (),
+  "fedprox": ("prox",),
+  "rcsr": ("align", "router", "fair"),
+  "rcsr_p": ("align", "router", "fair", "personal"),
+  "rcsr_no_minimax": ("align", "router"),
+  "rcsr_no_align": ("router", "fair"),
+  "fedavg_personal": ("personal",),
+  "rcsr_p_fixed": ("align", "router", "fair", "personal", "fixed_strength"),
+  "rcsr_zero_fill": ("align", "router", "fair", "zero_fill"),
+}
+METHODS = tuple(_SWITCHES)
 
 
 def method(name: str, *, lambda_a: float = 0.1, lambda_s: float = 0.01, mu: float = 0.1) -> Method:
-  """The :class:`Method` of ``fedavg``, ``fedprox``, ``rcsr`` or ``rcsr_p``."""
+  """The :class:`Method` of one of :data:`METHODS`."""
+  if name not in _SWITCHES:
+    raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}.")
+  on = _SWITCHES[name]
   f = lambda x: jnp.asarray(x, jnp.float32)
-  b = lambda x: jnp.asarray(x, bool)
-  if name == "fedavg":
-    return Method(f(0), f(0), f(0), b(False), b(False), b(False))
-  if name == "fedprox":
-    return Method(f(0), f(0), f(mu), b(False), b(False), b(False))
-  if name == "rcsr":
-    return Method(f(lambda_a), f(lambda_s), f(0), b(True), b(True), b(False))
-  if name == "rcsr_p":
-    return Method(f(lambda_a), f(lambda_s), f(0), b(True), b(True), b(True))
-  raise ValueError(f"unknown method {name!r}; known: fedavg, fedprox, rcsr, rcsr_p.")
+  b = lambda key: jnp.asarray(key in on, bool)
+  align = "align" in on
+  return Method(
+    lambda_a=f(lambda_a if align else 0.0),
+    lambda_s=f(lambda_s if align else 0.0),
+    prox_mu=f(mu if "prox" in on else 0.0),
+    router=b("router"),
+    fair=b("fair"),
+    personal=b("personal"),
+    fixed_strength=b("fixed_strength"),
+    zero_fill=b("zero_fill"),
+  )
 
 
-METHODS = ("fedavg", "fedprox", "rcsr", "rcsr_p")
+def strength(spec: RcsrDef, meth: Method, last_wr: Array) -> Array:
+  """RCSR-p's ``s_k``: eq. (13) of the client's last ``w^R``, or ``lambda_p`` when fixed."""
+  adaptive = S.personal_strength(last_wr, lambda_p=spec.lambda_p)
+  return jnp.where(meth.fixed_strength, jnp.asarray(spec.lambda_p, adaptive.dtype), adaptive)
 
 
 @struct.dataclass
@@ -254,7 +286,7 @@ class RcsrState:
   prototypes: Array  # [2, d] EMA prototypes (pbar_I, pbar_T)
   prev_update: Array  # [P] last global update (gamma_k's entry 2)
   last_wr: Array  # [N] each client's last w^R (eq. 13's input)
-  personalised: Array  # bool: evaluate with the personal adapters (RCSR-p's state)
+  method: Method  # the run's switches (evaluation applies its personal adapters / s_k)
 
 
 def token_dim(dim: int) -> int:
@@ -383,7 +415,7 @@ def client_update(
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
   """Local training of ONE client; returns ``(new global params, new personal, stats)``."""
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
-  personal_tx = optax.adamw(0.1 * lr, weight_decay=spec.weight_decay)
+  personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
   tx = masked_tx(shared_tx, personal_tx, modality, personal_on & meth.personal)
   obj = client_objective(spec, frozen, global_params, modality, prototypes, strength, meth)
   params = {"global": global_params, "personal": personal}
@@ -423,8 +455,13 @@ def init(
   sample_mask: Array,
   modality: Array,
   key: Array,
+  meth: Method | None = None,
 ) -> RcsrState:
-  """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes."""
+  """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes.
+
+  ``meth`` (default FedAvg's) is stored for evaluation; :func:`round_step` takes the
+  method it runs as its own argument.
+  """
   n = spec.num_clients
   k_router, k_rng = jax.random.split(key)
   zeros = jnp.zeros((2, spec.dim))
@@ -450,7 +487,7 @@ def init(
     prototypes=protos,
     prev_update=jnp.zeros_like(_flat(global_params)),
     last_wr=jnp.full((n,), 1.0 / spec.per_round),
-    personalised=jnp.zeros((), bool),
+    method=method("fedavg") if meth is None else meth,
   )
 
 
@@ -489,7 +526,7 @@ def round_step(
   c_arrays = jax.tree.map(take, arrays)
   c_mask, c_mod = sample_mask[idx], modality[idx]
   c_personal = jax.tree.map(take, state.personal)
-  strength = S.personal_strength(state.last_wr[idx], lambda_p=spec.lambda_p)
+  s_k = strength(spec, meth, state.last_wr[idx])
   lr = round_lr(spec, t)
   personal_on = t >= spec.personal_start
   # Lines 5-8: local training of the sampled clients, one compiled map.
@@ -498,14 +535,17 @@ def round_step(
   )
   keys = jax.random.split(k_clients, m)
   new_global, new_personal, stats = map_clients(
-    update, (c_personal, keys, c_arrays, c_mask, c_mod, strength), spec.client_map
+    update, (c_personal, keys, c_arrays, c_mask, c_mod, s_k), spec.client_map
   )
   protos = jax.vmap(
     lambda p, q, a, mk, md: client_prototypes(spec, frozen, p, q, a, mk, md, state.prototypes)
   )(new_global, new_personal, c_arrays, c_mask, c_mod)
   deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(new_global)
+  # s_k's prototypes (eq. 6): the missing slot holds the EMA prototype, or 0 (C.4 ablation);
+  # the EMA update below always uses the EMA fill, so the ablation touches the router only.
+  s_protos = jnp.where(meth.zero_fill & ~c_mod[..., None], 0.0, protos)
   gamma = jax.vmap(lambda d, pk, md: S.geometry(d, state.prev_update, pk, state.prototypes, md))(
-    deltas, protos, c_mod
+    deltas, s_protos, c_mod
   )
   loss = stats["loss"]
   all_true = jnp.ones((m,), bool)
@@ -515,7 +555,7 @@ def round_step(
   routed = meth.router & (t >= spec.warmup_rounds)
   (r_loss, w_router), r_grads = jax.value_and_grad(S.router_loss, has_aux=True)(
     state.router,
-    protos,
+    s_protos,
     gamma,
     c_mod,
     loss,
@@ -562,7 +602,7 @@ def round_step(
     prototypes=prototypes,
     prev_update=step,
     last_wr=last_wr,
-    personalised=state.personalised,
+    method=state.method,
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
   del rng

@@ -37,7 +37,6 @@ from fedjax_mm.models import text as text_models
 from fedjax_mm.runner import loop
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
-from fedjax_mm.server import rcsr as S
 
 KS = (1, 5, 10)
 
@@ -142,6 +141,7 @@ def build(config):
     warmup_rounds=r.warmup_rounds,
     lambda_p=r.lambda_p,
     personal_start=r.personal_start,
+    personal_lr_ratio=r.personal_lr_ratio,
     client_map=config.client_map,
   )
   return {
@@ -209,11 +209,15 @@ def experiment(config) -> loop.Experiment:
     def client(personal, arrays, wr):
       model = spec.merge(s.params, personal, frozen)
       z_i, z_t = model.embed_image(arrays["image"]), model.embed_text(arrays["caption"])
-      strength = S.personal_strength(wr, lambda_p=spec.lambda_p)
-      p_i, p_t = model.personalise(z_i, strength), model.personalise(z_t, strength)
-      z_i = jnp.where(s.personalised, p_i, z_i)
-      z_t = jnp.where(s.personalised, p_t, z_t)
-      return recall(z_i, z_t)
+      s_k = alg.strength(spec, s.method, wr)
+      p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
+      # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
+      shift = (
+        jnp.linalg.norm(p_i - z_i, axis=-1).mean() + jnp.linalg.norm(p_t - z_t, axis=-1).mean()
+      ) / 2
+      z_i = jnp.where(s.method.personal, p_i, z_i)
+      z_t = jnp.where(s.method.personal, p_t, z_t)
+      return recall(z_i, z_t) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
 
     own = jax.vmap(client)(s.personal, setup["test"], s.last_wr)
     model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
@@ -234,6 +238,7 @@ def experiment(config) -> loop.Experiment:
         "gap_R@1": float(r1.max() - r1.min()),
       },
       "q": np.asarray(s.fair.q).tolist(),
+      "personal_shift": float(np.mean(own["personal_shift"])),
     }
 
   def scalars(r, outs, evals):
@@ -274,24 +279,27 @@ def experiment(config) -> loop.Experiment:
           f"{fair['std_R@1']:.1f}",
           f"{fair['worst_R@1']:.1f}",
           f"{fair['gap_R@1']:.1f}",
+          f"{f['personal_shift']:.4f}",
         ]
       )
     rows.append(
       ["chance"]
       + [f"{chance_global[f'R@{k}']:.1f}" for k in KS] * 3
-      + [f"{chance['R@1']:.1f}", "", "", ""]
+      + [f"{chance['R@1']:.1f}", "", "", "", ""]
     )
     header = (
       ["Method"]
       + [f"I2T R@{k}" for k in KS]
       + [f"T2I R@{k}" for k in KS]
       + [f"Rbar@{k}" for k in KS]
-      + ["own Rbar@1 mean", "std", "worst", "gap"]
+      + ["own Rbar@1 mean", "std", "worst", "gap", "personal shift"]
     )
     table = format_table(header, rows)
     text = (
       f"RCSR on the world: N={n}, C={config.participation}, MR={config.missing_rate}, "
-      f"alpha={config.alpha}, {config.rounds} rounds, seed {config.seed}\n{table}"
+      f"alpha={config.alpha}, {config.rounds} rounds, seed {config.seed}"
+      + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
+      + f"\n{table}"
     )
     results = {
       "methods": {m: outcome.final[m] for m in methods},
@@ -304,10 +312,7 @@ def experiment(config) -> loop.Experiment:
     )
 
   return loop.Experiment(
-    init=lambda: {
-      m: jax.tree.map(jnp.copy, state0).replace(personalised=jnp.asarray(m == "rcsr_p"))
-      for m in methods
-    },
+    init=lambda: {m: jax.tree.map(jnp.copy, state0.replace(method=meths[m])) for m in methods},
     methods={m: step(m) for m in methods},
     evaluate=evaluate,
     nonfinite=lambda out: [] if bool(out["finite"]) else ["the global model"],
