@@ -4,6 +4,7 @@ r"""Mean ± standard deviation over seeds of finished runs.
   python -m experiments.summarize --format=fedscmr runs/fedscmr_s*
   python -m experiments.summarize --format=creamfl runs/creamfl_s*
   python -m experiments.summarize --format=fedrgb runs/fedrgb_s*
+  python -m experiments.summarize --format=rcsr runs/rcsr_s*
 
 Reads ``config.json`` and ``results.json`` of every workdir given, groups the
 runs by their config with ``seed`` left out (runs that differ only in the seed
@@ -20,7 +21,9 @@ each with its chance row), each cell the mean ± std over the runs
 (:func:`fedjax_mm.runner.fedscmr.summarize`,
 :func:`fedjax_mm.runner.creamfl.summarize`); ``--format=fedrgb`` FedRGB's retrieval
 table (average and worst client, OOD) with FedRGB - FedAvg paired by seed
-(:func:`fedjax_mm.runner.fedrgb.summarize`). A CreamFL sweep (runs that differ
+(:func:`fedjax_mm.runner.fedrgb.summarize`); ``--format=rcsr`` RCSR's table (global
+Recall@K, per-client fairness) with RCSR minus every other row paired by seed
+(:func:`fedjax_mm.runner.rcsr.summarize`). A CreamFL sweep (runs that differ
 in one config key, e.g. ``creamfl.lcr_weight``) reads well in the generic
 format: ``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
 """
@@ -42,8 +45,9 @@ _DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
 _FORMAT = flags.DEFINE_enum(
   "format",
   "generic",
-  ["generic", "fedscmr", "creamfl", "fedrgb"],
-  "generic table, FedSCMR's Tables 1-4, CreamFL's Recall@K table, or FedRGB's retrieval table.",
+  ["generic", "fedscmr", "creamfl", "fedrgb", "rcsr"],
+  "generic table, FedSCMR's Tables 1-4, CreamFL's Recall@K table, FedRGB's or RCSR's"
+  " retrieval table.",
 )
 
 

@@ -215,3 +215,15 @@ def test_geometry_entries():
   g = S.geometry(delta, prev, protos, glob, jnp.array([True, False]))
   np.testing.assert_allclose(g[:3], [5.0, 1.0, 0.0], atol=1e-6)
   assert np.isfinite(g[3])
+
+
+def test_moon_loss_against_numpy():
+  rng = np.random.default_rng(0)
+  z, zg, zp = (rng.normal(size=(5, 4)) for _ in range(3))
+  where = np.array([1, 1, 0, 1, 1], bool)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  pos = np.sum(unit(z) * unit(zg), -1) / 0.5
+  neg = np.sum(unit(z) * unit(zp), -1) / 0.5
+  expect = -np.log(np.exp(pos) / (np.exp(pos) + np.exp(neg))) * where
+  got = L.moon_loss(jnp.asarray(z), jnp.asarray(zg), jnp.asarray(zp), where=jnp.asarray(where))
+  np.testing.assert_allclose(got, expect, rtol=1e-5)

@@ -135,12 +135,13 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup):
   state0 = jax.jit(functools.partial(alg.init, spec))(
     glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
   )
-  step = jax.jit(functools.partial(alg.round_step, spec, frozen))
+  step = jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
   states = {}
   for name in alg.METHODS:
     state = state0
     for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
-      state, metrics = step(alg.method(name), state, arrays, mask, mod)
+      moon = name in alg.NEEDS_PREVIOUS
+      state, metrics = step(alg.method(name), state, arrays, mask, mod, moon=moon)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
     assert np.isclose(np.nansum(metrics["weight"]), 1.0)
     states[name] = state
@@ -229,3 +230,27 @@ def test_personal_learning_rate_ratio_acts(setup):
   base = moved(0.1)
   assert base > 0 and moved(0.0) == 0.0
   assert moved(1.0) > 3 * base
+
+
+def test_moon_term_acts_and_keeps_previous_models(setup):
+  """MOON: weight 0 is FedAvg (to rounding); weight 1 changes the round; the sampled
+  clients' local models become their ``previous`` ones, the others keep theirs."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  state0 = jax.jit(functools.partial(alg.init, spec))(
+    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
+  )
+  step = jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
+  fedavg, _ = step(alg.method("fedavg"), state0, arrays, mask, mod)
+  off, _ = step(alg.method("moon", moon_mu=0.0), state0, arrays, mask, mod, moon=True)
+  # (Two different compiles: equal up to float32 rounding of reordered sums.)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  # Round 2: the previous models now differ from the global one, so the term has a gradient.
+  fedavg2, _ = step(alg.method("fedavg"), off, arrays, mask, mod)
+  moon2, out = step(alg.method("moon"), off, arrays, mask, mod, moon=True)
+  print("MOON vs FedAvg", max(_changed(moon2.params, fedavg2.params, "").values()))
+  assert max(_changed(moon2.params, fedavg2.params, "").values()) > 1e-4
+  sampled = np.asarray(out["sampled"])
+  for k in range(N):
+    prev = jax.tree.map(lambda x, k=k: x[k], moon2.previous)
+    before = jax.tree.map(lambda x, k=k: x[k], off.previous)
+    assert (max(_changed(prev, before, "").values()) > 0) == sampled[k]

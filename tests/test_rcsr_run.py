@@ -72,3 +72,9 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache, capsys):
       jax.config.update(name, value)
   assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
   assert resumed["methods"] == results["methods"]
+
+  # The seeds' summary reads the same numbers back, with RCSR minus each row paired.
+  table = runner.summarize([workdir])
+  rcsr, fedavg = (results["methods"][m]["global"]["R@1"] for m in ("rcsr", "fedavg"))
+  assert f"| {rcsr:.1f} ± 0.0" in table
+  assert f"| rcsr - fedavg (paired) | " in table and f"| {rcsr - fedavg:.1f} ± 0.0" in table

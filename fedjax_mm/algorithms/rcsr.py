@@ -24,10 +24,17 @@ come back bit-identical. The round gathers the ``floor(C N)`` sampled clients,
 trains them with :func:`fedjax_mm.core.client.map_clients` over
 :func:`fedjax_mm.core.client.local_update`, and scatters the personal state back.
 
-**Methods as numbers.** FedAvg, FedProx, RCSR and RCSR-p differ only in the traced
-scalars of :class:`Method` (prototype-proximal and parameter-proximal weights,
-FedProx mu, router on, q on, personalisation on), so every method runs the same
-compiled round. FedAvg / FedProx single-modality clients use L_anchor to the EMA
+**Methods as numbers.** FedAvg, FedProx, RCSR, RCSR-p and the ablations of Table 5 and
+Sec. C.4 differ only in the traced scalars of :class:`Method` (prototype-proximal and
+parameter-proximal weights, FedProx mu, router on, q on, personalisation on, fixed
+``s_k``, zero fill of the missing slot), so they all run the same compiled round. MOON
+(Li, He & Song, CVPR 2021; RCSR's Sec. 5.1: temperature 0.5, weight 1) adds
+:func:`fedjax_mm.losses.rcsr.moon_loss` between a client's embeddings and those of the
+global model and of the client's previous local model (adapters + heads, kept per client
+in the state), on every modality the client holds; it needs those two extra forward
+passes, so it is a static switch of :func:`round_step` (its own compile), and it
+aggregates as FedAvg. A client never sampled before uses the initial model as its
+previous one. FedAvg / FedProx single-modality clients use L_anchor to the EMA
 prototypes (Sec. 5.1), which therefore are kept for them too; their aggregation
 weights are ``|D_k| / sum |D_j|``.
 
@@ -223,6 +230,7 @@ class Method:
   personal: Array  # bool: RCSR-p's personal adapters
   fixed_strength: Array  # bool: s_k = lambda_p for every client instead of eq. (13)
   zero_fill: Array  # bool: the missing prototype slot of s_k is 0, not the EMA prototype
+  moon_mu: Array  # MOON's model-contrastive weight (needs round_step(moon=True)); 0 otherwise
 
 
 # name -> the switches it turns on. The last five are Table 5's and Sec. C.4's ablations:
@@ -242,11 +250,21 @@ _SWITCHES: dict[str, tuple[str, ...]] = {
   "fedavg_personal": ("personal",),
   "rcsr_p_fixed": ("align", "router", "fair", "personal", "fixed_strength"),
   "rcsr_zero_fill": ("align", "router", "fair", "zero_fill"),
+  "moon": ("moon",),
 }
+# Methods whose round needs the clients' previous local models (a separate compile).
+NEEDS_PREVIOUS = ("moon",)
 METHODS = tuple(_SWITCHES)
 
 
-def method(name: str, *, lambda_a: float = 0.1, lambda_s: float = 0.01, mu: float = 0.1) -> Method:
+def method(
+  name: str,
+  *,
+  lambda_a: float = 0.1,
+  lambda_s: float = 0.01,
+  mu: float = 0.1,
+  moon_mu: float = 1.0,
+) -> Method:
   """The :class:`Method` of one of :data:`METHODS`."""
   if name not in _SWITCHES:
     raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}.")
@@ -263,6 +281,7 @@ def method(name: str, *, lambda_a: float = 0.1, lambda_s: float = 0.01, mu: floa
     personal=b("personal"),
     fixed_strength=b("fixed_strength"),
     zero_fill=b("zero_fill"),
+    moon_mu=f(moon_mu if "moon" in on else 0.0),
   )
 
 
@@ -286,6 +305,7 @@ class RcsrState:
   prototypes: Array  # [2, d] EMA prototypes (pbar_I, pbar_T)
   prev_update: Array  # [P] last global update (gamma_k's entry 2)
   last_wr: Array  # [N] each client's last w^R (eq. 13's input)
+  previous: PyTree  # [N, ...] each client's last local adapters + heads (MOON's z_prev)
   method: Method  # the run's switches (evaluation applies its personal adapters / s_k)
 
 
@@ -351,8 +371,25 @@ def round_lr(spec: RcsrDef, t: Array) -> Array:
   return spec.lr * warm * cos
 
 
-def client_objective(spec, frozen, global_start, modality, prototypes, strength, meth):
-  """Eq. (5) (+ FedProx, + RCSR-p's personal loss) for ONE client as an Objective."""
+def client_objective(
+  spec, frozen, global_start, modality, prototypes, strength, meth, previous=None
+):
+  """Eq. (5) (+ FedProx, + RCSR-p's personal loss, + MOON's) for ONE client as an Objective.
+
+  ``previous`` (the client's last local adapters + heads) turns on MOON's
+  model-contrastive term, weighted by ``meth.moon_mu``, on every modality the client
+  holds (the mean over them); the global and previous models are frozen for it.
+  """
+
+  def moon_term(params, x_image, text, mask, z_i, z_t):
+    frozen_model = lambda p: spec.merge(p, params["personal"], frozen)
+    g = frozen_model(jax.lax.stop_gradient(global_start))
+    q = frozen_model(jax.lax.stop_gradient(previous))
+    per = lambda z, zg, zq: L.moon_loss(z, zg, zq, where=mask).sum() / jnp.maximum(mask.sum(), 1)
+    m_i = per(z_i, g.embed_image(x_image), q.embed_image(x_image))
+    m_t = per(z_t, g.embed_text(text), q.embed_text(text))
+    held = modality.astype(m_i.dtype)
+    return (held[0] * m_i + held[1] * m_t) / jnp.maximum(held.sum(), 1.0)
 
   def objective(params, batch, mask, key):
     model = spec.merge(params["global"], params["personal"], frozen)
@@ -375,6 +412,8 @@ def client_objective(spec, frozen, global_start, modality, prototypes, strength,
       lambda_anc=spec.lambda_anc,
     )
     loss = loss + 0.5 * meth.prox_mu * prox
+    if previous is not None:
+      loss = loss + meth.moon_mu * moon_term(params, batch["image"], text, mask, z_i, z_t)
     # RCSR-p (eq. 12): personal features from the shared ones under stop-gradient.
     pz_i = model.personalise(jax.lax.stop_gradient(z_i), strength)
     pz_t = model.personalise(jax.lax.stop_gradient(z_t), strength)
@@ -412,12 +451,18 @@ def client_update(
   sample_mask: Array,
   modality: Array,
   strength: Array,
+  previous: PyTree | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
-  """Local training of ONE client; returns ``(new global params, new personal, stats)``."""
+  """Local training of ONE client; returns ``(new global params, new personal, stats)``.
+
+  ``previous``: the client's last local adapters + heads, for MOON (else None).
+  """
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
   personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
   tx = masked_tx(shared_tx, personal_tx, modality, personal_on & meth.personal)
-  obj = client_objective(spec, frozen, global_params, modality, prototypes, strength, meth)
+  obj = client_objective(
+    spec, frozen, global_params, modality, prototypes, strength, meth, previous
+  )
   params = {"global": global_params, "personal": personal}
   params, _, _, stats = local_update(
     obj,
@@ -487,6 +532,7 @@ def init(
     prototypes=protos,
     prev_update=jnp.zeros_like(_flat(global_params)),
     last_wr=jnp.full((n,), 1.0 / spec.per_round),
+    previous=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), global_params),
     method=method("fedavg") if meth is None else meth,
   )
 
@@ -499,6 +545,8 @@ def round_step(
   arrays: dict[str, Array],
   sample_mask: Array,
   modality: Array,
+  *,
+  moon: bool = False,
 ) -> tuple[RcsrState, dict[str, Array]]:
   """One round of Algorithm 1 for every method (its switches in ``meth``).
 
@@ -510,6 +558,8 @@ def round_step(
     arrays: ``image [N, n, S, S, C]``, ``caption [N, n, C, L]`` (missing modality zeroed).
     sample_mask: ``bool [N, n]``.
     modality: ``bool [N, 2]`` client modality masks.
+    moon: static; give the clients their previous local models (MOON's term, weighted
+      by ``meth.moon_mu``) and keep the new ones. Off, ``state.previous`` is untouched.
 
   Returns:
     ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
@@ -534,9 +584,10 @@ def round_step(
     client_update, spec, frozen, meth, state.params, state.prototypes, lr, personal_on
   )
   keys = jax.random.split(k_clients, m)
-  new_global, new_personal, stats = map_clients(
-    update, (c_personal, keys, c_arrays, c_mask, c_mod, s_k), spec.client_map
-  )
+  mapped = (c_personal, keys, c_arrays, c_mask, c_mod, s_k)
+  if moon:
+    mapped += (jax.tree.map(take, state.previous),)
+  new_global, new_personal, stats = map_clients(update, mapped, spec.client_map)
   protos = jax.vmap(
     lambda p, q, a, mk, md: client_prototypes(spec, frozen, p, q, a, mk, md, state.prototypes)
   )(new_global, new_personal, c_arrays, c_mask, c_mod)
@@ -591,6 +642,9 @@ def round_step(
   prototypes = S.ema_prototypes(state.prototypes, protos, w, mu=spec.proto_momentum)
   personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
   last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
+  previous = state.previous
+  if moon:
+    previous = jax.tree.map(lambda all_, new: all_.at[idx].set(new), previous, new_global)
   new_state = RcsrState(
     round=t + 1,
     rng=state.rng,
@@ -602,6 +656,7 @@ def round_step(
     prototypes=prototypes,
     prev_update=step,
     last_wr=last_wr,
+    previous=previous,
     method=state.method,
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)

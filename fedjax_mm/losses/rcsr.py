@@ -53,6 +53,7 @@ __all__ = [
   "TAU_NCE",
   "anchor_loss",
   "cosine",
+  "moon_loss",
   "nce_loss",
   "normalize",
   "parameter_proximal",
@@ -100,6 +101,28 @@ def nce_loss(
     ``[B]`` per-pair losses.
   """
   return symmetric_info_nce(z_image, z_text, temperature=temperature, where=where)
+
+
+def moon_loss(
+  z: Array, z_global: Array, z_previous: Array, *, temperature: float = 0.5, where=None
+) -> Array:
+  r"""MOON's model-contrastive loss (Li, He & Song, CVPR 2021, eq. 2): ``[B]`` values.
+
+  ``-log( e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau}) )``:
+  the local representation of a sample is pulled to the global model's and pushed from
+  the client's previous local model's. RCSR's Sec. 5.1: temperature 0.5, weight 1.0.
+  Padded samples (``where`` False) get 0.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> z = jnp.asarray([[1.0, 0.0]])
+    >>> round(float(moon_loss(z, z, z)[0]), 4)  # equal similarities: log 2
+    0.6931
+  """
+  pos = cosine(z, z_global) / temperature
+  neg = cosine(z, z_previous) / temperature
+  values = jnp.logaddexp(pos, neg) - pos
+  return values if where is None else jnp.where(where, values, 0.0)
 
 
 def anchor_loss(z: Array, anchor: Array, *, where: Array | None = None) -> Array:

@@ -21,6 +21,7 @@ of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = 
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 from typing import Any
 
@@ -192,17 +193,19 @@ def experiment(config) -> loop.Experiment:
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
 
-  def round_and_check(meth, s):
-    s, out = round_fn(meth, s, setup["train"], setup["mask"], setup["modality"])
+  def round_and_check(meth, s, moon=False):
+    s, out = round_fn(meth, s, setup["train"], setup["mask"], setup["modality"], moon=moon)
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return s, out | {"finite": finite}
 
-  # One compiled round for every method: the method is a traced argument.
-  round_jit = jax.jit(round_and_check, donate_argnums=1)
+  # One compiled round for every method (the method is a traced argument); MOON, which
+  # also runs its clients' previous local models, has its own.
+  round_jit = jax.jit(round_and_check, donate_argnums=1, static_argnames="moon")
 
   def step(m):
-    return lambda s: round_jit(meths[m], s)
+    moon = m in alg.NEEDS_PREVIOUS
+    return lambda s: round_jit(meths[m], s, moon=moon)
 
   @jax.jit
   def evaluate_jit(s):
@@ -324,6 +327,67 @@ def experiment(config) -> loop.Experiment:
   )
 
 
+# (label, group, key) of the summary's columns.
+SUMMARY = (
+  ("I2T R@1", "global", "i2t_R@1"),
+  ("T2I R@1", "global", "t2i_R@1"),
+  ("Rbar@1", "global", "R@1"),
+  ("Rbar@5", "global", "R@5"),
+  ("Rbar@10", "global", "R@10"),
+  ("own Rbar@1 mean", "fairness", "mean_R@1"),
+  ("std", "fairness", "std_R@1"),
+  ("worst", "fairness", "worst_R@1"),
+  ("gap", "fairness", "gap_R@1"),
+)
+
+
+def summarize(workdirs) -> str:
+  """Mean ± sample std over runs (seeds) of every method, then RCSR minus every other
+  method paired by seed: ``python -m experiments.summarize --format=rcsr``.
+
+  The runs must share every config key but the seed.
+  """
+  runs, configs = [], []
+  for w in map(pathlib.Path, workdirs):
+    if not (w / "results.json").exists():
+      raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
+    runs.append(json.loads((w / "results.json").read_text()))
+    configs.append(json.loads((w / "config.json").read_text()))
+  if not runs:
+    raise ValueError("no workdirs given.")
+  strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
+  if any(strip(c) != strip(configs[0]) for c in configs):
+    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  methods = list(runs[0]["methods"])
+
+  def cell(values):
+    values = np.asarray(values, np.float64)
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.1f} ± {std:.1f}"
+
+  value = lambda r, m, g, k: r["methods"][m][g][k]
+  rows = [[m] + [cell([value(r, m, g, k) for r in runs]) for _, g, k in SUMMARY] for m in methods]
+  if "rcsr" in methods:
+    for other in (m for m in methods if m != "rcsr"):
+      rows.append(
+        [f"rcsr - {other} (paired)"]
+        + [
+          cell([value(r, "rcsr", g, k) - value(r, other, g, k) for r in runs])
+          for _, g, k in SUMMARY
+        ]
+      )
+  chance = runs[0]["chance"]
+  rows.append(
+    ["chance"]
+    + [f"{chance['global']['R@1']:.1f}"] * 3
+    + [f"{chance['global'][f'R@{k}']:.1f}" for k in (5, 10)]
+    + [f"{chance['own']['R@1']:.1f}", "", "", ""]
+  )
+  seeds = ", ".join(str(c["seed"]) for c in configs)
+  table = format_table(["Method"] + [label for label, _, _ in SUMMARY], rows)
+  return f"RCSR, mean ± std over seeds {seeds} (R@K, %):\n{table}"
+
+
 def run(
   config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
@@ -331,4 +395,4 @@ def run(
   return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
-__all__ = ["build", "experiment", "recall", "run", "validate"]
+__all__ = ["build", "experiment", "recall", "run", "summarize", "validate"]
