@@ -77,4 +77,4 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache, capsys):
   table = runner.summarize([workdir])
   rcsr, fedavg = (results["methods"][m]["global"]["R@1"] for m in ("rcsr", "fedavg"))
   assert f"| {rcsr:.1f} ± 0.0" in table
-  assert f"| rcsr - fedavg (paired) | " in table and f"| {rcsr - fedavg:.1f} ± 0.0" in table
+  assert "| rcsr - fedavg (paired) | " in table and f"| {rcsr - fedavg:.1f} ± 0.0" in table
