@@ -41,6 +41,32 @@ def test_cifar100_in_the_worlds_interface(mock_tfds):
   assert world["image"].shape[1:] == train["image"].shape[1:]
 
 
+def test_cifar10(mock_tfds):
+  train = tfds_data.load("cifar10", split="test", image_size=32, limit=4)
+  assert set(train) == {"image", "label10"}
+  assert train["image"].shape == (4, 32, 32, 3) and train["image"].dtype == np.float32
+  assert train["label10"].dtype == np.int32 and 0 <= train["label10"].min() <= 9
+  assert train["label10"].max() <= 9
+
+
+def test_ag_news_is_the_worlds_text_classification(mock_tfds):
+  seen = []
+
+  def tokenizer(texts):
+    seen.extend(texts)
+    return np.array([[len(t), 7, 0] for t in texts])
+
+  news = tfds_data.load("ag_news_subset", tokenizer=tokenizer, limit=5)
+  assert set(news) == {"caption", "caption_label"}  # the keys of the world's "tc" task
+  assert news["caption"].shape == (5, 1, 3) and news["caption"].dtype == np.int32
+  np.testing.assert_array_equal(news["caption"][:, 0, 0], [len(t) for t in seen])
+  assert news["caption_label"].dtype == np.int32
+  assert 0 <= news["caption_label"].min() and news["caption_label"].max() < 4
+  assert all(". " in t for t in seen)  # title. description
+  with pytest.raises(tfds_data.DatasetError, match=r"ag_news_subset is text only"):
+    tfds_data.load("ag_news_subset")
+
+
 def test_limit_takes_the_first_examples(mock_tfds):
   full = tfds_data.load("cifar100", image_size=8)
   first = tfds_data.load("cifar100", image_size=8, limit=5)

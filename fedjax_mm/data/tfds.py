@@ -1,7 +1,7 @@
 """The papers' real datasets through TFDS, in the world's dict-of-arrays interface.
 
-FedMuscle, CreamFL and FedSCMR train on CIFAR-100, PASCAL VOC and MS-COCO
-(captions). TensorFlow Datasets prepares them once (``tfds build``, on a machine
+FedMuscle, CreamFL and FedSCMR train on CIFAR-10/100, PASCAL VOC, MS-COCO
+(captions) and AG News, among others. TensorFlow Datasets prepares them once (``tfds build``, on a machine
 with TensorFlow and a network) as ArrayRecord files; this module reads them with
 ``tfds.data_source`` (random access, decoded to numpy, no TensorFlow at run time)
 and returns the same dict of numpy arrays as :func:`fedjax_mm.data.world.generate`,
@@ -16,7 +16,8 @@ so the partitioners (:func:`~fedjax_mm.data.partition.dirichlet_partition`,
 What each reader returns (``S = image_size``; every image is resized to ``S x S``
 bilinearly and scaled to ``float32`` in ``[0, 1]``, the world's layout):
 
-* ``cifar100``: ``image [n, S, S, 3]``, ``label100 int32 [n]`` (the fine label),
+* ``cifar10``: ``image [n, S, S, 3]``, ``label10 int32 [n]``.
+* ``cifar100``: ``image``, ``label100 int32 [n]`` (the fine label),
   ``label20 int32 [n]`` (the coarse superclass).
 * ``voc`` (TFDS ``voc/2012``): ``image``, ``multilabel float32 [n, 20]`` (the
   object classes present). TFDS's VOC is the *detection* set: it has boxes, no
@@ -26,6 +27,14 @@ bilinearly and scaled to ``float32`` in ``[0, 1]``, the world's layout):
   first ``C`` captions, cycled when an image has fewer, through ``tokenizer``),
   ``multilabel float32 [n, 80]`` (the object classes present). Without a
   ``tokenizer`` the captions are left out.
+
+* ``ag_news_subset`` (AG News, CreamFL's text clients): ``caption int32 [n, 1, L]``
+  (title and description, through ``tokenizer``, which it requires) and
+  ``caption_label int32 [n]`` (4 topics): the world's text-classification keys.
+
+Not in TFDS (4.9.10): Flickr30K, Yahoo! Answers, NUS-WIDE and the cross-modal
+Wikipedia set (TFDS's ``wikipedia`` is the text dump). FedSCMR reads Wikipedia as
+precomputed features from an ``.npz`` (``experiments/fedscmr.py:paper``).
 
 ``limit`` keeps the first ``n`` examples: the arrays are decoded into memory
 (COCO's 113k training images at ``S = 224`` would be 68 GB of float32).
@@ -75,6 +84,7 @@ class DatasetError(ValueError):
 #: ``tokenizer(texts) -> int [len(texts), L]``: captions to token ids, PAD = 0.
 Tokenizer = Callable[[Sequence[str]], np.ndarray]
 
+NUM_AG_NEWS_CLASSES = 4
 NUM_CIFAR100_CLASSES = 100
 NUM_CIFAR100_SUPERCLASSES = 20
 NUM_VOC_CLASSES = 20
@@ -122,6 +132,14 @@ def _text(value: Any) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _cifar10(example, image_size, tokenizer, captions_per_image):
+  del tokenizer, captions_per_image
+  return {
+    "image": resize_image(example["image"], image_size),
+    "label10": np.int32(example["label"]),
+  }
+
+
 def _cifar100(example, image_size, tokenizer, captions_per_image):
   del tokenizer, captions_per_image
   return {
@@ -154,12 +172,26 @@ def _coco_captions(example, image_size, tokenizer, captions_per_image):
   return out
 
 
+def _ag_news(example, image_size, tokenizer, captions_per_image):
+  del image_size, captions_per_image
+  text = f"{_text(example['title'])}. {_text(example['description'])}"
+  return {
+    "caption": np.asarray(tokenizer([text]), dtype=np.int32),
+    "caption_label": np.int32(example["label"]),
+  }
+
+
 #: Dataset name -> :class:`Reader`.
 READERS: dict[str, Reader] = {
+  "cifar10": Reader("cifar10", _cifar10, ("image", "label10")),
   "cifar100": Reader("cifar100", _cifar100, ("image", "label100", "label20")),
   "voc": Reader("voc/2012", _voc, ("image", "multilabel")),
   "coco_captions": Reader("coco_captions/2014", _coco_captions, ("image", "multilabel", "caption")),
+  "ag_news_subset": Reader("ag_news_subset", _ag_news, ("caption", "caption_label")),
 }
+
+#: Readers that cannot run without a ``tokenizer``.
+NEEDS_TOKENIZER = frozenset({"ag_news_subset"})
 
 
 def default_data_dir() -> pathlib.Path:
@@ -248,7 +280,8 @@ def load(
   """The first ``limit`` examples of ``name``'s ``split`` as a dict of numpy arrays.
 
   Args:
-    name: a key of :data:`READERS` (``cifar100``, ``voc``, ``coco_captions``).
+    name: a key of :data:`READERS` (``cifar10``, ``cifar100``, ``voc``, ``coco_captions``,
+      ``ag_news_subset``).
     split: a TFDS split string (``"train"``, ``"validation"``, ``"train[:10%]"``).
     data_dir: the TFDS data folder (default :func:`default_data_dir`).
     limit: keep the first ``limit`` examples (None: all of them).
@@ -268,6 +301,8 @@ def load(
       raise DatasetError(f"{key} must be an int >= 1, got {value!r}.")
   if not isinstance(captions_per_image, int) or captions_per_image < 1:
     raise DatasetError(f"captions_per_image must be an int >= 1, got {captions_per_image!r}.")
+  if name in NEEDS_TOKENIZER and tokenizer is None:
+    raise DatasetError(f"{name} is text only: load it with a tokenizer.")
   source = data_source(name, split=split, data_dir=data_dir)
   num = len(source) if limit is None else min(limit, len(source))
   if num == 0:
@@ -297,9 +332,11 @@ def hf_tokenizer(checkpoint: str, max_len: int = 32) -> Tokenizer:
 
 __all__ = [
   "DatasetError",
+  "NUM_AG_NEWS_CLASSES",
   "NUM_CIFAR100_CLASSES",
   "NUM_CIFAR100_SUPERCLASSES",
   "NUM_COCO_CLASSES",
+  "NEEDS_TOKENIZER",
   "NUM_VOC_CLASSES",
   "READERS",
   "Reader",
