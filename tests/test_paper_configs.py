@@ -61,8 +61,9 @@ def test_fedmuscle_paper_setups_follow_the_paper():
 
 @pytest.mark.parametrize("name,runner,module,spec,variant", PAPER, ids=IDS)
 def test_paper_variant_without_its_data_exits_2_in_one_line(
-  tmp_path, main_cache, name, runner, module, spec, variant
+  tmp_path, main_cache, monkeypatch, name, runner, module, spec, variant
 ):
+  monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # JAX logs every compilation: there must be none
   config = module.get_config(variant)
   # What each names first: a checkpoint folder or the feature file.
   if name == "fedmuscle":
@@ -78,6 +79,7 @@ def test_paper_variant_without_its_data_exits_2_in_one_line(
   assert code == 2, err[-2000:]
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and repr(missing) in lines[0], err[-2000:]
+  assert "Compiling" not in err, err[-2000:]
   assert not (tmp_path / "run").exists()  # nothing was written
 
 
