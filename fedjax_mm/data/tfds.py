@@ -59,8 +59,8 @@ answers there in the tests); when that fails too, :func:`load` raises
 :class:`DatasetError` in one line naming the ``tfds build`` command and the
 folder it looked in (:func:`fedjax_mm.runner.validation.check_data` turns it into
 a ``ConfigError``, which ``experiments/main.py`` prints with exit status 2). Nothing
-is ever downloaded. A folder prepared as TFRecord (TFDS's default) has no random access: rebuild it
-with ``--file_format=array_record``.
+is ever downloaded. A folder prepared as TFRecord (TFDS's default) has no random
+access: rebuild it with ``--file_format=array_record``.
 
 Requires ``tensorflow-datasets`` and ``array-record`` (``pip install
 'fedjax_mm[tfds]'``), imported only when :func:`load` is called.
@@ -117,7 +117,7 @@ def resize_image(image: np.ndarray, size: int) -> np.ndarray:
   if image.shape[-1] == 1:
     image = np.repeat(image, 3, axis=-1)
   if image.shape[:2] != (size, size):
-    image = np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
+    image = np.asarray(Image.fromarray(image).resize((size, size), Image.Resampling.BILINEAR))
   return image.astype(np.float32) / 255.0
 
 
@@ -251,8 +251,6 @@ def data_source(name: str, *, split: str = "train", data_dir: str | os.PathLike 
     if folder is not None:
       return tfds.builder_from_directory(str(folder)).as_data_source(split=split)
     return tfds.data_source(builder, split=split, data_dir=str(root), download=False)
-  except DatasetError:
-    raise
   except Exception as e:  # TFDS raises many kinds: report what to do in one line
     if folder is not None:
       reason = " ".join(str(e).split())[:200]
