@@ -205,7 +205,7 @@ def test_bad_sizes_are_refused(mock_tfds):
       tfds_data.load("cifar100", **kwargs)
 
 
-def test_check_data(tmp_path, mock_tfds):
+def test_check_data(mock_tfds):
   assert validation.check_data({}) == ()
   assert validation.check_data({"data": {"source": "world"}}) == ()
   names = validation.check_data({"data": {"source": "tfds", "datasets": ("cifar100", "voc")}})
