@@ -11,7 +11,9 @@ Every dataset is a dict of numpy arrays sharing a leading sample axis::
   clients[0] = data.drop_modality(clients[0], "text")  # an image-only client
   stacked, mask = data.stack_clients(clients)           # [K, n_max, ...]
 
-See `fedjax_mm.data.world` for the world and the exact label definitions.
+See `fedjax_mm.data.world` for the world and the exact label definitions, and
+`fedjax_mm.data.tfds` (imported on its own: it needs tensorflow-datasets) for the
+papers' datasets (CIFAR-100, VOC, COCO captions) in the same interface.
 """
 
 from fedjax_mm.data.digits import load_digits

@@ -42,6 +42,7 @@ from fedjax_mm.runner.errors import ConfigError
 __all__ = [
   "COUNT",
   "CREAMFL",
+  "DATA",
   "FEDMUSCLE",
   "FAULTS",
   "FEDSCMR",
@@ -52,6 +53,7 @@ __all__ = [
   "POSITIVE",
   "Range",
   "check_client_map",
+  "check_data",
   "check_faults",
   "check_numbers",
   "numeric_fields",
@@ -337,3 +339,48 @@ def check_encoder(where: str, name: str, modality: str) -> None:
     raise ConfigError(f"{where}: {e}") from None
   if found != modality:
     raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
+
+
+#: The optional ``data`` block of a config that names real datasets
+#: (:mod:`fedjax_mm.data.tfds`; the ``:paper`` variants).
+DATA: dict[str, Range] = {
+  "data.limit": COUNT,
+  "data.image_size": COUNT,
+  "data.captions_per_image": COUNT,
+}
+
+
+def check_data(config: Any) -> tuple[str, ...]:
+  """The datasets ``config.data`` names, each found prepared where it says; ``()`` for the world.
+
+  A config without a ``data`` block, or with ``data.source = "world"``, trains
+  on the embedded world (:mod:`fedjax_mm.data.world`). ``data.source = "tfds"``
+  names TFDS datasets in ``data.datasets`` (keys of
+  :data:`fedjax_mm.data.tfds.READERS`), read from ``data.data_dir`` (``None``:
+  TFDS's default folder) with split ``data.split``. Each is opened (its metadata
+  only, nothing is decoded or downloaded), so a dataset not prepared here fails
+  before anything is built.
+
+  Raises:
+    ConfigError: an unknown source or dataset, a dataset not prepared (the
+      message names the ``tfds build`` command), tensorflow-datasets missing.
+  """
+  block = config.get("data") if callable(getattr(config, "get", None)) else None
+  if block is None:
+    return ()
+  source = block.get("source", "world")
+  if source == "world":
+    return ()
+  if source != "tfds":
+    raise ConfigError(f"data.source must be 'world' or 'tfds', got {source!r}.")
+  from fedjax_mm.data import tfds as tfds_data  # tensorflow-datasets, only when named
+
+  names = tuple(block.get("datasets", ()))
+  if not names:
+    raise ConfigError("data.source is 'tfds' but data.datasets names no dataset.")
+  for name in names:
+    try:
+      tfds_data.data_source(name, split=block.get("split", "train"), data_dir=block.get("data_dir"))
+    except tfds_data.DatasetError as e:
+      raise ConfigError(f"data: {e}") from None
+  return names

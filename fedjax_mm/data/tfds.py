@@ -1,0 +1,350 @@
+"""The papers' real datasets through TFDS, in the world's dict-of-arrays interface.
+
+FedMuscle, CreamFL and FedSCMR train on CIFAR-10/100, PASCAL VOC, MS-COCO
+(captions) and AG News, among others. TensorFlow Datasets prepares them once (``tfds build``, on a machine
+with TensorFlow and a network) as ArrayRecord files; this module reads them with
+``tfds.data_source`` (random access, decoded to numpy, no TensorFlow at run time)
+and returns the same dict of numpy arrays as :func:`fedjax_mm.data.world.generate`,
+so the partitioners (:func:`~fedjax_mm.data.partition.dirichlet_partition`,
+:func:`~fedjax_mm.data.cross_modal.class_subset_split`,
+:func:`~fedjax_mm.data.partition.drop_modality`) apply unchanged::
+
+  from fedjax_mm.data import tfds as tfds_data
+  train = tfds_data.load("cifar100", split="train", limit=5000, image_size=32)
+  parts = data.dirichlet_partition(train["label100"], 8, alpha=0.1, seed=0)
+
+What each reader returns (``S = image_size``; every image is resized to ``S x S``
+bilinearly and scaled to ``float32`` in ``[0, 1]``, the world's layout):
+
+* ``cifar10``: ``image [n, S, S, 3]``, ``label10 int32 [n]``.
+* ``cifar100``: ``image``, ``label100 int32 [n]`` (the fine label),
+  ``label20 int32 [n]`` (the coarse superclass).
+* ``voc`` (TFDS ``voc/2012``): ``image``, ``multilabel float32 [n, 20]`` (the
+  object classes present). TFDS's VOC is the *detection* set: it has boxes, no
+  segmentation masks, so it cannot feed a segmentation task (FedMuscle's ``ss``).
+* ``coco_captions`` (TFDS ``coco_captions/2014``: the Karpathy splits ``train``,
+  ``restval``, ``val``, ``test``): ``image``, ``caption int32 [n, C, L]`` (the
+  first ``C`` captions, cycled when an image has fewer, through ``tokenizer``),
+  ``multilabel float32 [n, 80]`` (the object classes present). Without a
+  ``tokenizer`` the captions are left out.
+
+* ``ag_news_subset`` (AG News, CreamFL's text clients): ``caption int32 [n, 1, L]``
+  (title and description, through ``tokenizer``, which it requires) and
+  ``caption_label int32 [n]`` (4 topics): the world's text-classification keys.
+
+Not in TFDS (4.9.10): Flickr30K, Yahoo! Answers, NUS-WIDE and the cross-modal
+Wikipedia set (TFDS's ``wikipedia`` is the text dump). FedSCMR reads Wikipedia as
+precomputed features from an ``.npz`` (``experiments/fedscmr.py:paper``).
+
+``limit`` keeps the first ``n`` examples: the arrays are decoded into memory
+(COCO's 113k training images at ``S = 224`` would be 68 GB of float32).
+
+Where the data must be
+----------------------
+``data_dir`` (default: ``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``, as
+TFDS) holds ``<name>[/<config>]/<version>/`` with ``dataset_info.json`` and the
+``*.array_record-*`` shards, made by e.g.::
+
+  tfds build cifar100 --data_dir=DIR --file_format=array_record
+
+A prepared folder is opened with ``tfds.builder_from_directory``, which reads its
+metadata and does not run the builder's code, so ``coco_captions`` (whose builder
+imports TensorFlow in tensorflow-datasets 4.9.10) needs no TensorFlow to be read.
+That path is not exercised by the tests: writing a folder with images needs
+TensorFlow, which the project does not install.
+
+Only when no folder is found is the registered builder asked
+(``tfds.data_source(..., download=False)``; :func:`tfds.testing.mock_data`
+answers there in the tests); when that fails too, :func:`load` raises
+:class:`DatasetError` in one line naming the ``tfds build`` command and the
+folder it looked in (:func:`fedjax_mm.runner.validation.check_data` turns it into
+a ``ConfigError``, which ``experiments/main.py`` prints with exit status 2). Nothing
+is ever downloaded. A folder prepared as TFRecord (TFDS's default) has no random
+access: rebuild it with ``--file_format=array_record``.
+
+Requires ``tensorflow-datasets`` and ``array-record`` (``pip install
+'fedjax_mm[tfds]'``), imported only when :func:`load` is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+  """A dataset that cannot be read here: one line saying what to run or where to put it."""
+
+
+#: ``tokenizer(texts) -> int [len(texts), L]``: captions to token ids, PAD = 0.
+Tokenizer = Callable[[Sequence[str]], np.ndarray]
+
+NUM_AG_NEWS_CLASSES = 4
+NUM_CIFAR100_CLASSES = 100
+NUM_CIFAR100_SUPERCLASSES = 20
+NUM_VOC_CLASSES = 20
+NUM_COCO_CLASSES = 80
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+  """How one dataset is found and mapped into the world's interface.
+
+  Attributes:
+    builder: the TFDS name, with its config (``voc/2012``).
+    convert: ``(example, image_size, tokenizer, captions_per_image) -> {key: array}``
+      for one example as ``tfds.data_source`` decodes it (numpy, nested dicts).
+    keys: the keys :func:`load` returns (with a tokenizer, for captions).
+  """
+
+  builder: str
+  convert: Callable[..., dict[str, np.ndarray]]
+  keys: tuple[str, ...]
+
+
+def resize_image(image: np.ndarray, size: int) -> np.ndarray:
+  """``uint8 [H, W, C]`` (C = 1 or 3) -> ``float32 [size, size, 3]`` in ``[0, 1]``, bilinear."""
+  from PIL import Image  # matplotlib's dependency; imported where images are decoded
+
+  image = np.asarray(image)
+  if image.ndim == 2:
+    image = image[..., None]
+  if image.shape[-1] == 1:
+    image = np.repeat(image, 3, axis=-1)
+  if image.shape[:2] != (size, size):
+    image = np.asarray(Image.fromarray(image).resize((size, size), Image.Resampling.BILINEAR))
+  return image.astype(np.float32) / 255.0
+
+
+def multi_hot(labels: Sequence[int] | np.ndarray, num_classes: int) -> np.ndarray:
+  """Class ids (repeats allowed) -> ``float32 [num_classes]`` with 1 where present."""
+  out = np.zeros(num_classes, np.float32)
+  out[np.asarray(labels, dtype=np.int64)] = 1.0
+  return out
+
+
+def _text(value: Any) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _cifar10(example, image_size, tokenizer, captions_per_image):
+  del tokenizer, captions_per_image
+  return {
+    "image": resize_image(example["image"], image_size),
+    "label10": np.int32(example["label"]),
+  }
+
+
+def _cifar100(example, image_size, tokenizer, captions_per_image):
+  del tokenizer, captions_per_image
+  return {
+    "image": resize_image(example["image"], image_size),
+    "label100": np.int32(example["label"]),
+    "label20": np.int32(example["coarse_label"]),
+  }
+
+
+def _voc(example, image_size, tokenizer, captions_per_image):
+  del tokenizer, captions_per_image
+  return {
+    "image": resize_image(example["image"], image_size),
+    "multilabel": multi_hot(example["labels"], NUM_VOC_CLASSES),
+  }
+
+
+def _coco_captions(example, image_size, tokenizer, captions_per_image):
+  out = {
+    "image": resize_image(example["image"], image_size),
+    "multilabel": multi_hot(example["objects"]["label"], NUM_COCO_CLASSES),
+  }
+  if tokenizer is not None:
+    texts = [_text(t) for t in np.atleast_1d(example["captions"]["text"])]
+    if not texts:
+      raise ValueError("a coco_captions example has no caption.")
+    # COCO has 5 to 7 captions per image: keep C, cycling when fewer.
+    texts = [texts[i % len(texts)] for i in range(captions_per_image)]
+    out["caption"] = np.asarray(tokenizer(texts), dtype=np.int32)
+  return out
+
+
+def _ag_news(example, image_size, tokenizer, captions_per_image):
+  del image_size, captions_per_image
+  text = f"{_text(example['title'])}. {_text(example['description'])}"
+  return {
+    "caption": np.asarray(tokenizer([text]), dtype=np.int32),
+    "caption_label": np.int32(example["label"]),
+  }
+
+
+#: Dataset name -> :class:`Reader`.
+READERS: dict[str, Reader] = {
+  "cifar10": Reader("cifar10", _cifar10, ("image", "label10")),
+  "cifar100": Reader("cifar100", _cifar100, ("image", "label100", "label20")),
+  "voc": Reader("voc/2012", _voc, ("image", "multilabel")),
+  "coco_captions": Reader("coco_captions/2014", _coco_captions, ("image", "multilabel", "caption")),
+  "ag_news_subset": Reader("ag_news_subset", _ag_news, ("caption", "caption_label")),
+}
+
+#: Readers that cannot run without a ``tokenizer``.
+NEEDS_TOKENIZER = frozenset({"ag_news_subset"})
+
+
+def default_data_dir() -> pathlib.Path:
+  """TFDS's default: ``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``."""
+  return pathlib.Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser()
+
+
+def build_command(name: str, data_dir: str | os.PathLike | None = None) -> str:
+  """The command that prepares ``name`` where :func:`load` looks for it."""
+  root = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
+  builder = READERS[name].builder if name in READERS else name
+  return f"tfds build {builder} --data_dir={root} --file_format=array_record"
+
+
+def _version_key(path: pathlib.Path) -> tuple[int, ...]:
+  try:
+    return tuple(int(p) for p in path.name.split("."))
+  except ValueError:
+    return (-1,)
+
+
+def prepared_folder(builder: str, data_dir: str | os.PathLike | None = None) -> pathlib.Path | None:
+  """``<data_dir>/<builder>/<newest version>`` holding ``dataset_info.json``, or None."""
+  root = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
+  parent = root / builder
+  if not parent.is_dir():
+    return None
+  versions = [p for p in parent.iterdir() if (p / "dataset_info.json").is_file()]
+  return max(versions, key=_version_key) if versions else None
+
+
+def _import_tfds():
+  try:
+    import tensorflow_datasets as tfds  # optional dependency, imported lazily
+  except ImportError:
+    raise DatasetError(
+      "reading TFDS datasets needs tensorflow-datasets and array-record: "
+      "pip install 'fedjax_mm[tfds]'."
+    ) from None
+  return tfds
+
+
+def data_source(name: str, *, split: str = "train", data_dir: str | os.PathLike | None = None):
+  """The random-access source (``len``, ``[i]`` -> decoded numpy example) of ``name``'s split.
+
+  Raises:
+    DatasetError: an unknown name, a dataset not prepared in ``data_dir`` (the
+      message names the ``tfds build`` command), or prepared without random access.
+  """
+  if name not in READERS:
+    raise DatasetError(f"unknown TFDS dataset {name!r}; known: {', '.join(READERS)}.")
+  tfds = _import_tfds()
+  builder = READERS[name].builder
+  root = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
+  folder = prepared_folder(builder, root)
+  try:
+    if folder is not None:
+      return tfds.builder_from_directory(str(folder)).as_data_source(split=split)
+    return tfds.data_source(builder, split=split, data_dir=str(root), download=False)
+  except Exception as e:  # TFDS raises many kinds: report what to do in one line
+    if folder is not None:
+      reason = " ".join(str(e).split())[:200]
+      raise DatasetError(
+        f"{name}: cannot read split {split!r} of {folder} ({type(e).__name__}: {reason}); "
+        f"if it was prepared as TFRecord (no random access), rebuild it: {build_command(name, root)}."
+      ) from None
+    raise DatasetError(
+      f"{name}: no prepared {builder} under {root}; prepare it once on a machine with "
+      f"TensorFlow and network: {build_command(name, root)} (or set data.data_dir / "
+      "$TFDS_DATA_DIR to the folder that holds it)."
+    ) from None
+
+
+def load(
+  name: str,
+  *,
+  split: str = "train",
+  data_dir: str | os.PathLike | None = None,
+  limit: int | None = None,
+  image_size: int = 32,
+  tokenizer: Tokenizer | None = None,
+  captions_per_image: int = 5,
+) -> dict[str, np.ndarray]:
+  """The first ``limit`` examples of ``name``'s ``split`` as a dict of numpy arrays.
+
+  Args:
+    name: a key of :data:`READERS` (``cifar10``, ``cifar100``, ``voc``, ``coco_captions``,
+      ``ag_news_subset``).
+    split: a TFDS split string (``"train"``, ``"validation"``, ``"train[:10%]"``).
+    data_dir: the TFDS data folder (default :func:`default_data_dir`).
+    limit: keep the first ``limit`` examples (None: all of them).
+    image_size: ``S``, the side every image is resized to.
+    tokenizer: captions to ids ``int [n, L]`` (e.g. a Hugging Face tokenizer with
+      ``padding="max_length"``); without it no ``caption`` key is returned.
+    captions_per_image: ``C``, the captions kept per image.
+
+  Returns:
+    ``{key: array [n, ...]}`` with the keys the module docstring lists.
+
+  Raises:
+    DatasetError: see :func:`data_source`; a ``limit`` or ``image_size`` < 1.
+  """
+  for key, value in (("limit", limit), ("image_size", image_size)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise DatasetError(f"{key} must be an int >= 1, got {value!r}.")
+  if not isinstance(captions_per_image, int) or captions_per_image < 1:
+    raise DatasetError(f"captions_per_image must be an int >= 1, got {captions_per_image!r}.")
+  if name in NEEDS_TOKENIZER and tokenizer is None:
+    raise DatasetError(f"{name} is text only: load it with a tokenizer.")
+  source = data_source(name, split=split, data_dir=data_dir)
+  num = len(source) if limit is None else min(limit, len(source))
+  if num == 0:
+    raise DatasetError(f"{name}: split {split!r} is empty.")
+  convert = READERS[name].convert
+  rows = [convert(source[i], image_size, tokenizer, captions_per_image) for i in range(num)]
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def hf_tokenizer(checkpoint: str, max_len: int = 32) -> Tokenizer:
+  """The tokenizer of an ``hf:`` checkpoint as a :data:`Tokenizer` (``[CLS] ... [SEP]``, PAD 0).
+
+  The same call as :func:`fedjax_mm.runner.text.retokenize` makes for the world's captions.
+  """
+  from fedjax_mm.models import hf  # jax and transformers, only when captions are tokenised
+
+  tok = hf.tokenizer(checkpoint)
+
+  def tokenize(texts: Sequence[str]) -> np.ndarray:
+    out = tok(
+      list(texts), padding="max_length", truncation=True, max_length=max_len, return_tensors="np"
+    )
+    return out["input_ids"].astype(np.int32)
+
+  return tokenize
+
+
+__all__ = [
+  "DatasetError",
+  "NUM_AG_NEWS_CLASSES",
+  "NUM_CIFAR100_CLASSES",
+  "NUM_CIFAR100_SUPERCLASSES",
+  "NUM_COCO_CLASSES",
+  "NEEDS_TOKENIZER",
+  "NUM_VOC_CLASSES",
+  "READERS",
+  "Reader",
+  "Tokenizer",
+  "build_command",
+  "data_source",
+  "default_data_dir",
+  "hf_tokenizer",
+  "load",
+  "multi_hot",
+  "prepared_folder",
+  "resize_image",
+]

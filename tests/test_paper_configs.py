@@ -1,0 +1,169 @@
+"""The ``:paper`` variants: valid numbers, a one-line stop without their data, a round when shrunk.
+
+On a machine without the checkpoints and features they name, each variant must stop at
+validation with exit status 2 and one line naming what is missing, before anything is
+written. Shrunk, with tiny random checkpoints (FedMuscle's ViTs) or a tiny random
+feature file (FedSCMR's Wikipedia features) in their place, they must train a round.
+"""
+
+import json
+
+import experiment_main
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from experiments import creamfl as creamfl_config
+from experiments import fedmuscle as fedmuscle_config
+from experiments import fedscmr as fedscmr_config
+from fedjax_mm.models import hf, hf_vit
+from fedjax_mm.runner import creamfl, fedmuscle, fedscmr, validation
+
+PAPER = [
+  ("fedmuscle", fedmuscle, fedmuscle_config, validation.FEDMUSCLE, "paper_setup1"),
+  ("fedmuscle", fedmuscle, fedmuscle_config, validation.FEDMUSCLE, "paper_setup2"),
+  ("creamfl", creamfl, creamfl_config, validation.CREAMFL, "paper"),
+  ("fedscmr", fedscmr, fedscmr_config, validation.FEDSCMR, "paper"),
+]
+IDS = [f"{name}:{variant}" for name, *_, variant in PAPER]
+
+
+@pytest.mark.parametrize("name,runner,module,spec,variant", PAPER, ids=IDS)
+def test_every_number_of_the_paper_variants_has_a_rule(name, runner, module, spec, variant):
+  config = module.get_config(variant)
+  validation.check_numbers(config, spec)
+  patterns = {pattern for _, pattern, _ in validation.numeric_fields(config)}
+  assert patterns <= set(spec), f"{name}:{variant} has no rule for {sorted(patterns - set(spec))}"
+
+
+def test_fedmuscle_paper_setups_follow_the_paper():
+  one = fedmuscle_config.get_config("paper_setup1")
+  two = fedmuscle_config.get_config("paper_setup2")
+  # Sec. 6: d, LoRA rank, B, M, temperatures, E, R, T, |D|; App. G: local set sizes.
+  assert (one.rep_dim, one.lora_rank, one.muscle.batch_size, one.muscle.num_partners) == (
+    256,
+    16,
+    32,
+    3,
+  )
+  assert (one.local_epochs, one.rounds, one.muscle.cl_epochs, one.public.size) == (1, 150, 1, 5000)
+  sizes = {"mlc": 200, "ic100": 100, "ic10": 50, "ss": 1000, "tc": 100}
+  for config, tasks in ((one, "mlc " * 3 + "ic100 " * 2 + "ic10"), (two, None)):
+    for user in config.users:
+      assert user["train_size"] == sizes[user["task"]]
+      assert hf.is_hf(user["encoder"])
+    if tasks:
+      assert [u["task"] for u in config.users] == tasks.split()
+  assert [u["task"] for u in two.users[6:]] == ["ss", "ss", "tc", "tc"]
+  assert two.public.modalities == ("image", "text")
+
+
+@pytest.mark.parametrize("name,runner,module,spec,variant", PAPER, ids=IDS)
+def test_paper_variant_without_its_data_exits_2_in_one_line(
+  tmp_path, main_cache, monkeypatch, name, runner, module, spec, variant
+):
+  monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # JAX logs every compilation: there must be none
+  config = module.get_config(variant)
+  # What each names first: a checkpoint folder or the feature file.
+  if name == "fedmuscle":
+    missing = config.users[0]["encoder"].removeprefix("hf:")
+  elif name == "creamfl":
+    missing = config.server.text_encoder.removeprefix("hf:")
+  else:
+    missing = config.features.path
+  assert not (experiment_main.ROOT / missing).exists(), f"{missing} exists here: cannot test"
+  code, _, err = experiment_main.run(
+    f"experiments/{name}.py:{variant}", tmp_path / "run", cache_dir=main_cache
+  )
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and repr(missing) in lines[0], err[-2000:]
+  assert "Compiling" not in err, err[-2000:]
+  assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def _tiny_vit(folder):
+  """A 1-layer, 16-wide ViT on 16x16 images with random weights, as a Hugging Face folder."""
+  config = {
+    "model_type": "vit",
+    "architectures": ["ViTModel"],
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "image_size": 16,
+    "patch_size": 4,
+  }
+  sizes = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+  model = hf_vit.ViTModel(hf_vit.ViTConfig(**sizes), rngs=nnx.Rngs(0))
+  inverse = {hf._transpose: lambda t: t.T, hf._oihw_to_hwio: lambda t: t.transpose(3, 2, 0, 1)}
+  tensors = {}
+  for name, (var, convert) in hf.torch_names(model).items():
+    value = np.asarray(var[...])
+    tensors[name] = np.ascontiguousarray(inverse.get(convert, lambda t: t)(value))
+  folder.mkdir(parents=True)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(config))
+  return folder
+
+
+def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path):
+  folders = {}
+  config = fedmuscle_config.get_config("paper_setup1")
+  for user in config.users:
+    name = user["encoder"].removeprefix("hf:")
+    if name not in folders:  # one tiny ViT per paper checkpoint, in its place
+      folders[name] = _tiny_vit(tmp_path / "checkpoints" / name.rsplit("/", 1)[-1])
+    user["encoder"] = f"hf:{folders[name]}"
+    user["train_size"] = max(4, user["train_size"] // 25)  # 8 / 4 / 4
+  assert len(folders) == 4  # ViT-Base, -Small, -Large, -Tiny
+  config.rounds = 1
+  config.rep_dim = 16
+  config.test_size = 8
+  config.local_batch_size = 4
+  config.public.size = 8
+  config.muscle.batch_size = 4
+  results = fedmuscle.run(config, tmp_path / "run", progress=False)
+  scores = np.asarray(results["fedmuscle"] + results["local"], np.float64)
+  assert scores.shape == (12,) and np.all(np.isfinite(scores))
+  assert str(folders[next(iter(folders))]) in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_fedscmr_paper_trains_a_round_on_a_feature_file(tmp_path):
+  rng = np.random.default_rng(0)
+  n, classes = 400, 10  # Wikipedia's 10 classes; 4096-d / 1024-d features shrunk to 12 / 8
+  labels = rng.permutation(np.arange(n) % classes)
+  path = tmp_path / "wikipedia.npz"
+  np.savez(
+    path,
+    image=rng.normal(size=(n, 12)).astype(np.float32),
+    text=rng.normal(size=(n, 8)).astype(np.float32),
+    labels=labels,
+  )
+  config = fedscmr_config.get_config("paper")
+  config.features.path = str(path)
+  config.rounds = 1
+  config.local_epochs = 1
+  config.batch_size = 8
+  config.test_size = 10
+  config.val_size = 6
+  config.global_test_size = 20
+  config.clients = [dict(c, train_size=24) for c in config.clients]
+  config.model.hidden = 16
+  config.model.dim = 8
+  config.methods = ("dscmr", "fedscmr")
+  results = fedscmr.run(config, tmp_path / "run", progress=False)
+  assert set(results["methods"]) == {"dscmr", "fedscmr"}
+  assert results["classes"].keys() == {"A", "B", "C"}
+  values = np.asarray(_numbers(results["methods"]), np.float64)
+  assert values.size > 0 and np.all(np.isfinite(values))
+  assert (tmp_path / "run" / "report.md").is_file()
+
+
+def _numbers(tree):
+  if isinstance(tree, dict):
+    return [x for v in tree.values() for x in _numbers(v)]
+  if isinstance(tree, list | tuple):
+    return [x for v in tree for x in _numbers(v)]
+  return [tree] if isinstance(tree, int | float) else []
