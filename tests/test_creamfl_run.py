@@ -98,8 +98,16 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
     assert traffic["down_per_round"] == config.creamfl.num_selected * 2 * matrix
     assert config.creamfl.num_selected * matrix <= traffic["up_per_round"]
     assert traffic["up_per_round"] <= config.creamfl.num_selected * 2 * matrix
-  rounds = sorted({json.loads(line)["round"] for line in (workdir / "metrics.jsonl").open()})
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+  rounds = sorted({r["round"] for r in records})
   assert rounds == list(range(1, config.rounds + 1))
+  # Table 1's baselines ran as their own rows: FedMD differs from reamFL+Mean only in the
+  # clients' local distillation, FedET / FedGEMS also in the aggregation; each changes
+  # what the server distils into (its eq. (7) loss) from the first round on.
+  kd = {m: [r[f"{m}/kd_loss"] for r in records if f"{m}/kd_loss" in r] for m in runner.METHODS[1:]}
+  for method in ("FedMD", "FedET", "FedGEMS"):
+    assert len(kd[method]) == config.rounds and kd[method][0] != kd["reamFL+Mean"][0], method
+  assert kd["FedET"][0] != kd["FedMD"][0] != kd["FedGEMS"][0]
 
   # The same command again resumes from the last checkpoint and reproduces the results.
   again = runner.run(config, workdir, progress=False)

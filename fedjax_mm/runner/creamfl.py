@@ -5,7 +5,9 @@
 :func:`experiment`, which trains every method of ``config.methods`` side by
 side from the same initial server and clients, on the same data and seeds:
 ``local`` (the server alone on the public set), the ``reamFL`` variants,
-``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`).
+``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`)
+and Table 1's distillation baselines ``FedMD``, ``FedET``, ``FedGEMS``
+(:data:`fedjax_mm.algorithms.creamfl_baselines.BASELINES`).
 All federated methods share one compiled round (the variant is a runtime
 argument); ``local`` has its own. The bytes of the selected clients go to each
 method's ledger. Workdir, checkpoints, resume, NaN guard and the files written
@@ -53,7 +55,7 @@ import optax
 from flax import nnx
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import creamfl
+from fedjax_mm.algorithms import creamfl, creamfl_baselines
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import loop, validation
@@ -62,7 +64,9 @@ from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 LOCAL = "local"
-METHODS = (LOCAL, *creamfl.VARIANTS)
+#: Every federated row: CreamFL's variants and Table 1's distillation baselines.
+ROWS = {**creamfl.VARIANTS, **creamfl_baselines.BASELINES}
+METHODS = (LOCAL, *ROWS)
 #: Client group -> (modalities, private task: kind, input key, target key, outputs, head).
 GROUPS = {
   "image": (("image",), ("classification", "image", "label10", 10, "mlp")),
@@ -417,7 +421,7 @@ def experiment(config) -> loop.Experiment:
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
   fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
   local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
-  variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
+  variants = {m: creamfl.variant(**ROWS[m]) for m in methods if m != LOCAL}
   rounds = {
     m: local_step if m == LOCAL else functools.partial(fed_step, v=variants[m]) for m in methods
   }
