@@ -62,10 +62,10 @@ of the same softmax) and the same local distillation.
 
 **FedAvg / FedIoT** (Table 1's "model homogeneous" rows: parameter averaging of
 client models the size of the server, public data handed to the multimodal
-clients, FedIoT weighting multimodal clients 100x) are NOT here: they need
-clients with the server's architecture and a parameter-averaging round per
-modality tower, which this engine's CreamFL round does not have
-(reamFL+Avg / reamFL+IoT are their representation-distillation versions).
+clients, FedIoT weighting multimodal clients 100x) send parameters, not
+representations, and have their own round:
+:mod:`fedjax_mm.algorithms.creamfl_fedavg` (reamFL+Avg / reamFL+IoT are their
+representation-distillation versions).
 """
 
 from __future__ import annotations
