@@ -5,7 +5,7 @@
 :func:`experiment`, which trains every method of ``config.methods`` side by
 side from the same initial server and clients, on the same data and seeds:
 ``local`` (the server alone on the public set), the ``reamFL`` variants,
-``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`)
+``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`),
 Table 1's distillation baselines ``FedMD``, ``FedET``, ``FedGEMS``
 (:data:`fedjax_mm.algorithms.creamfl_baselines.BASELINES`), and its
 model-homogeneous ``FedAvg`` and ``FedIoT`` (:data:`PARAMETER_ROWS`: clients of

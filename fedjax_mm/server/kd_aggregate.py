@@ -55,8 +55,8 @@ replaced by the server's representation of the current round.
 
 Both rules give absent clients (``present = False``) weight 0, and a sample
 with no client present aggregates to 0, as :func:`fedjax_mm.server.gca.gca`.
-Memory: ``C x P x P`` probabilities at once (unchunked, unlike GCA), 57 MB at
-``C = 9``, ``P = 1,200``; the paper's ``P = 50,000`` would need chunking as
+Memory: ``C x P x P`` probabilities at once (unchunked, unlike GCA), 52 MB of
+float32 at ``C = 9``, ``P = 1,200``; the paper's ``P = 50,000`` would need chunking as
 :func:`fedjax_mm.server.gca.gca` does.
 """
 
