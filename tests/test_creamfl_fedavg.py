@@ -1,11 +1,14 @@
 """Table 1's FedAvg / FedIoT on CreamFL's clients: the public set, the towers, their average."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import creamfl as creamfl_config
 from fedjax_mm import core
 from fedjax_mm.algorithms import creamfl, creamfl_fedavg
+from fedjax_mm.runner import creamfl as runner
 
 
 def _group(modalities):
@@ -99,3 +102,55 @@ def test_average_towers_is_the_weighted_mean_per_modality(image_weights):
         want = sum(w[c] * clients[c] for c in range(len(w))) / w.sum()
       np.testing.assert_allclose(np.asarray(out[name][leaf]), want, rtol=1e-6, atol=1e-6)
     assert int(received[m]) == int((w > 0).sum())
+
+
+def test_round_averages_the_trained_towers_with_the_iot_factor():
+  """One round on the smoke config: server towers == the weighted mean of the trained clients'."""
+  config = creamfl_config.get_config("smoke")
+  _, _, _, _, server_params, public, _, _ = runner.build(config)
+  clients, states, data, _ = runner._client_groups(config, jax.random.key(0), server_size=True)
+  data = tuple(
+    creamfl_fedavg.with_public(d, public) if c.multimodal else d
+    for c, d in zip(clients, data, strict=True)
+  )
+  cc = runner._cream_config(config)
+  avg = creamfl_fedavg.fedavg_towers(clients, cc)
+  step = jax.jit(lambda s, f: avg.round(s, data, f))
+  start = avg.init(server_params, states, jax.random.key(1))
+  servers, mixed = {}, set()
+  for factor in (1.0, cc.iot_weight):
+    state, stats = step(start, jnp.float32(factor))
+    servers[factor] = state.server_params
+    for m, server_names in creamfl_fedavg.TOWERS.items():
+      rows, weights = [], []
+      for c, g, g0, d, act in zip(
+        clients, state.groups, start.groups, data, stats["active"], strict=True
+      ):
+        pairs = creamfl_fedavg.client_towers(c).get(m, {})
+        act = np.asarray(act)
+        for c_name in pairs.values():
+          # Clients not selected keep their towers.
+          for new, old in zip(
+            jax.tree.leaves(g.params[c_name]), jax.tree.leaves(g0.params[c_name]), strict=True
+          ):
+            np.testing.assert_array_equal(np.asarray(new)[~act], np.asarray(old)[~act])
+        if pairs:
+          rows.append({s: g.params[cn] for s, cn in pairs.items()})
+          n = np.asarray(d.num_samples, np.float64) * act
+          weights.append(n * (factor if c.multimodal else 1.0))
+          if act.any():
+            mixed.add((m, c.multimodal))
+      w = np.concatenate(weights)
+      assert w.sum() > 0 and int(stats["received"][m]) == int((w > 0).sum())
+      for name in server_names:
+        stacked = [jax.tree.leaves(r[name]) for r in rows]
+        for i, got in enumerate(jax.tree.leaves(state.server_params[name])):
+          clients_leaf = np.concatenate([np.asarray(s[i], np.float64) for s in stacked])
+          want = np.tensordot(w / w.sum(), clients_leaf, axes=1)
+          np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+  # FedIoT's factor moves a tower that uni-modal and multimodal clients both sent this round.
+  moved = [m for m in creamfl_fedavg.TOWERS if {(m, True), (m, False)} <= mixed]
+  assert moved  # this key selects such a modality (text: clients 3, 5 and 6)
+  for m in moved:
+    a, b = (jax.tree.leaves(servers[f][f"{m}_encoder"]) for f in (1.0, cc.iot_weight))
+    assert any(not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
