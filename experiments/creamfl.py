@@ -7,8 +7,9 @@ trains a server (vit_s + transformer_s) from 9 clients — 3 image-only clients
 colour classification) and 3 multimodal clients (vit_t + transformer_t,
 image-text retrieval) with Dirichlet(0.1) private splits, 5 of 9 taking part
 per round, over a public set of 384 pairs — with every method of CreamFL's
-Tables 1 and 3 and FedMuscle's Table 3, side by side from the same initial
-models, and ends with CreamFL's Table 1::
+Tables 1 and 3 and FedMuscle's Table 3 (Table 1's FedAvg and FedIoT, on
+clients of the server's size, and FedMD, FedET and FedGEMS included), side by
+side from the same initial models, and ends with CreamFL's Table 1::
 
   | method                  | R@1_sum | RSUM | vs local | bytes/round |
   | local                   |     ... |      |          |         0 B |

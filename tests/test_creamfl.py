@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from fedjax_mm import core, data, losses, models
-from fedjax_mm.algorithms import creamfl
+from fedjax_mm.algorithms import creamfl, creamfl_baselines
 
 D = 8
 NUM_PUBLIC = 4
@@ -183,7 +183,7 @@ def test_gamma_zero_is_exactly_training_without_the_regulariser(setup):
   )
 
 
-@pytest.mark.parametrize("regulariser", ["lcr", "muscle"])
+@pytest.mark.parametrize("regulariser", ["lcr", "muscle", "kd"])
 def test_doubling_gamma_doubles_the_regularisers_gradient(setup, regulariser):
   """grad eq.(3)(gamma) - grad eq.(3)(0) = gamma * grad regulariser, on the step's public batch."""
   client, state, client_data, public, global_reps = setup
@@ -274,6 +274,9 @@ def test_regulariser_objective_terms(setup):
   np.testing.assert_allclose(
     value(creamfl.variant("mean", "muscle", server="muscle")), muscle.mean(), rtol=1e-5
   )
+  # FedMD / FedET / FedGEMS: the l2 distance to the server's representation, same modality.
+  kd = np.linalg.norm(np.asarray(z) - np.asarray(global_reps["text"][batch["index"]]), axis=-1)
+  np.testing.assert_allclose(value(creamfl.variant("fedet", "kd")), kd.mean(), rtol=1e-5)
 
 
 def test_variants_table_and_validation():
@@ -288,6 +291,13 @@ def test_variants_table_and_validation():
     assert not bool(creamfl.variant(**creamfl.VARIANTS[name]).regularised)
   with pytest.raises(ValueError, match="aggregation"):
     creamfl.variant("median")
+  # Table 1's distillation baselines: local distillation only, each its own aggregation.
+  for name, rule in (("FedMD", "mean"), ("FedET", "fedet"), ("FedGEMS", "fedgems")):
+    b = creamfl.variant(**creamfl_baselines.BASELINES[name])
+    assert int(b.aggregation) == creamfl.AGGREGATIONS.index(rule) and bool(b.regularised)
+    assert float(b.local_kd) == float(b.distill) == 1.0
+    assert float(b.inter) == float(b.intra) == float(b.client_muscle) == 0.0
+  assert float(creamfl.variant(**creamfl.VARIANTS["CreamFL"]).local_kd) == 0.0
 
 
 def test_partners_are_distinct_and_present():

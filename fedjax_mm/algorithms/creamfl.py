@@ -77,6 +77,13 @@ against ``M`` local representation matrices drawn per batch among all those
 received (all of them would make the ``B^(M+1)`` tensor intractable; FedMuscle
 draws partners the same way).
 
+The distillation baselines of Table 1 (FedMD, FedET, FedGEMS,
+:mod:`fedjax_mm.algorithms.creamfl_baselines`) run the same round with step
+4's regulariser replaced by local distillation (the l2 distance of each local
+representation to the server's global one of the same modality, weighted by
+the same ``gamma``) and step 6 by the mean, FedET's or FedGEMS's rule
+(:mod:`fedjax_mm.server.kd_aggregate`).
+
 Which variant runs is a runtime :class:`Variant` (the aggregation rule, picked
 by ``jax.lax.switch``, and 0/1 weights of the regulariser terms and server
 losses), so every federated row of CreamFL's Tables 1 and 3 shares ONE compiled
@@ -127,14 +134,16 @@ from fedjax_mm.core.client import (
 )
 from fedjax_mm.core.sharding import replicate
 from fedjax_mm.core.tasks import masked_mean
-from fedjax_mm.server import aggregate, gca
+from fedjax_mm.server import aggregate, gca, kd_aggregate
 
 Array = jax.Array
 PyTree = Any
 
 MODALITIES = ("image", "text")
-AGGREGATIONS = ("mean", "avg", "iot", "gca")
-REGULARISERS = ("none", "lcr", "muscle")
+# "fedet", "fedgems" and the regulariser "kd" serve the baselines of
+# :mod:`fedjax_mm.algorithms.creamfl_baselines` (FedMD, FedET, FedGEMS).
+AGGREGATIONS = ("mean", "avg", "iot", "gca", "fedet", "fedgems")
+REGULARISERS = ("none", "lcr", "muscle", "kd")
 SERVER_OBJECTIVES = ("distill", "muscle")
 
 
@@ -303,6 +312,10 @@ class Variant:
     client_muscle: weight (0 or 1) of the clients' Muscle loss (App. K).
     distill: weight (0 or 1) of the l2 distillation (eq. (7)).
     server_muscle: weight (0 or 1) of the server's Muscle loss (App. K).
+    local_kd: weight (0 or 1) of the clients' local distillation: the l2
+      distance (eq. (7)'s) of each local representation to the server's
+      global representation of the same modality (FedMD / FedET / FedGEMS,
+      :mod:`fedjax_mm.algorithms.creamfl_baselines`).
   """
 
   aggregation: Array
@@ -311,11 +324,12 @@ class Variant:
   client_muscle: Array
   distill: Array
   server_muscle: Array
+  local_kd: Array
 
   @property
   def regularised(self) -> Array:
     """Whether the clients' local objective has a public-set regulariser (step 4)."""
-    return (self.inter + self.intra + self.client_muscle) > 0
+    return (self.inter + self.intra + self.client_muscle + self.local_kd) > 0
 
 
 def variant(
@@ -350,6 +364,7 @@ def variant(
     client_muscle=jnp.float32(regulariser == "muscle"),
     distill=jnp.float32(server == "distill"),
     server_muscle=jnp.float32(server == "muscle"),
+    local_kd=jnp.float32(regulariser == "kd"),
   )
 
 
@@ -474,9 +489,12 @@ def regulariser_objective(
   """The regulariser of eq. (3) for ONE client, over a batch of public indices (no ``gamma``).
 
   ``sum_m [inter * mean eq.(1) + intra * mean eq.(2) + client_muscle * mean
-  Muscle]`` over the client's modalities ``m``: LCR or, for CreamFL + Muscle,
-  the Muscle loss of the local representation against the global
-  representations of both modalities (``M = 2``). The intra-modal negative is
+  Muscle + local_kd * mean ||z_m - g_m||]`` over the client's modalities
+  ``m``: LCR or, for CreamFL + Muscle, the Muscle loss of the local
+  representation against the global representations of both modalities
+  (``M = 2``), or, for the distillation baselines, the l2 distance of eq. (7)
+  to the server's global representation ``g_m`` of the same sample and
+  modality (the server-to-client transfer of FedMD / FedET / FedGEMS). The intra-modal negative is
   the representation by ``start_params``, the client's parameters at the START
   of the round (its model "of the last round", eq. (2)); it is a constant.
   :func:`local_objective` weighs this by ``gamma``.
@@ -507,11 +525,14 @@ def regulariser_objective(
       aux[f"inter_{m}"] = masked_mean(l_inter, mask)
       aux[f"intra_{m}"] = masked_mean(l_intra, mask)
       aux[f"muscle_{m}"] = masked_mean(l_muscle, mask)
+      l_kd = losses.representation_distance(z, global_reps[m][index], where=mask)
+      aux[f"kd_{m}"] = masked_mean(l_kd, mask)
       total = (
         total
         + var.inter * aux[f"inter_{m}"]
         + var.intra * aux[f"intra_{m}"]
         + var.client_muscle * aux[f"muscle_{m}"]
+        + var.local_kd * aux[f"kd_{m}"]
       )
     return total, aux
 
@@ -779,7 +800,7 @@ def creamfl(
       groups=tuple(states),
     )
 
-  def aggregate_modality(local, present, counts, multimodal, global_other, var):
+  def aggregate_modality(local, present, counts, multimodal, global_same, global_other, var):
     """Step 6 for one modality: ``[C, P, d]`` -> ``[P, d]`` by the variant's rule."""
     p = present.astype(local.dtype)
     n = counts.astype(local.dtype)
@@ -794,6 +815,12 @@ def creamfl(
         present,
         temperature=config.gca_temperature,
         chunk_size=config.gca_chunk_size,
+      ),
+      lambda _: kd_aggregate.fedet(
+        local, global_other, present, temperature=config.gca_temperature
+      ),
+      lambda _: kd_aggregate.fedgems(
+        local, global_same, global_other, present, temperature=config.gca_temperature
       ),
     )
     return jax.lax.switch(var.aggregation, branches, None)
@@ -887,6 +914,7 @@ def creamfl(
         meta[m]["present"],
         meta[m]["counts"],
         meta[m]["multimodal"],
+        global_reps[m],
         global_reps[_other(m)],
         var,
       )[0]

@@ -5,7 +5,14 @@
 :func:`experiment`, which trains every method of ``config.methods`` side by
 side from the same initial server and clients, on the same data and seeds:
 ``local`` (the server alone on the public set), the ``reamFL`` variants,
-``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`).
+``CreamFL`` and ``CreamFL+Muscle`` (:data:`fedjax_mm.algorithms.creamfl.VARIANTS`),
+Table 1's distillation baselines ``FedMD``, ``FedET``, ``FedGEMS``
+(:data:`fedjax_mm.algorithms.creamfl_baselines.BASELINES`), and its
+model-homogeneous ``FedAvg`` and ``FedIoT`` (:data:`PARAMETER_ROWS`: clients of
+the server's size on the same private data, the public set given to the
+multimodal clients, towers averaged per modality;
+:mod:`fedjax_mm.algorithms.creamfl_fedavg`), which send parameters (their
+ledger counts the towers, both ways).
 All federated methods share one compiled round (the variant is a runtime
 argument); ``local`` has its own. The bytes of the selected clients go to each
 method's ledger. Workdir, checkpoints, resume, NaN guard and the files written
@@ -53,7 +60,7 @@ import optax
 from flax import nnx
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import creamfl
+from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import loop, validation
@@ -62,7 +69,12 @@ from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 LOCAL = "local"
-METHODS = (LOCAL, *creamfl.VARIANTS)
+#: Every federated row: CreamFL's variants and Table 1's distillation baselines.
+ROWS = {**creamfl.VARIANTS, **creamfl_baselines.BASELINES}
+#: Table 1's model-homogeneous rows (clients of the server's size, parameters averaged per
+#: modality; :mod:`fedjax_mm.algorithms.creamfl_fedavg`) -> is it FedIoT.
+PARAMETER_ROWS = {"FedAvg": False, "FedIoT": True}
+METHODS = (LOCAL, *ROWS, *PARAMETER_ROWS)
 #: Client group -> (modalities, private task: kind, input key, target key, outputs, head).
 GROUPS = {
   "image": (("image",), ("classification", "image", "label10", 10, "mlp")),
@@ -89,10 +101,13 @@ def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
   validation.check_numbers(config, validation.CREAMFL)
   validation.check_client_map(config)
-  validation.check_faults(config)
+  faults = validation.check_faults(config)
   unknown = [m for m in config.methods if m not in METHODS]
   if unknown or not config.methods:
     raise ConfigError(f"methods: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)}.")
+  parameter_rows = [m for m in config.methods if m in PARAMETER_ROWS]
+  if faults.enabled and parameter_rows:
+    raise ConfigError(f"faults: {', '.join(parameter_rows)} simulate no client faults; drop them.")
   if len(set(config.methods)) != len(config.methods):
     raise ConfigError("methods: a method is listed twice.")
   if config.rounds < 1:
@@ -232,16 +247,14 @@ def _test_set(
   }
 
 
-def build(config):
-  """Validated client groups, server, initial states, private data, public and test sets.
+def _client_groups(config, root, *, server_size: bool = False):
+  """The three client groups, their stacked initial states, private data and display names.
 
-  The test sets are ``{"public": ..., "private": ...}`` (the latter only with
-  ``test.private_size``), each ``image [N, S, S, 3]``, ``caption [N C, L]``
-  and ``ids [N C]``.
+  ``server_size``: every client's encoders are the server's (Table 1's FedAvg /
+  FedIoT rows, :mod:`fedjax_mm.algorithms.creamfl_fedavg`); the private data
+  are the same either way.
   """
-  validate(config)
   world = _world(config)
-  root = jax.random.key(config.seed)
   text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
   clients, states, train_data, names = [], [], [], []
   for g, name in enumerate(GROUPS):
@@ -250,22 +263,25 @@ def build(config):
     tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     if task:
       kind, input_key, target_key, outputs, head = task
+      uni = config.server[f"{name}_encoder"] if server_size else spec.encoder
       model_config = {
-        "encoder": spec.encoder,
+        "encoder": uni,
         "head": head,
         "num_outputs": outputs,
         "rep_dim": config.rep_dim,
       }
       model_config |= text_sizes if name == "text" else {"image_size": config.image_size}
-      if config.pretrained and not models.hf.is_hf(spec.encoder):
-        model_config["pretrained"] = f"{config.pretrained}/{spec.encoder}"
+      if config.pretrained and not models.hf.is_hf(uni):
+        model_config["pretrained"] = f"{config.pretrained}/{uni}"
       make = lambda rngs, c=model_config: models.build(c, rngs=rngs)
       group_task = core.Task(kind, input_key, target_key, outputs)
-      encoder = spec.encoder
+      encoder = uni
     else:
-      make = lambda rngs, spec=spec: creamfl.DualEncoder(
-        spec.image_encoder,
-        spec.text_encoder,
+      pair = (spec.image_encoder, spec.text_encoder)
+      if server_size:
+        pair = (config.server.image_encoder, config.server.text_encoder)
+      make = lambda rngs, pair=pair: creamfl.DualEncoder(
+        *pair,
         rep_dim=config.rep_dim,
         image_size=config.image_size,
         rngs=rngs,
@@ -273,7 +289,7 @@ def build(config):
         **text_sizes,
       )
       group_task = creamfl.RetrievalTask(temperature=config.creamfl.server_temperature)
-      encoder = f"{spec.image_encoder}+{spec.text_encoder}"
+      encoder = "+".join(pair)
     group, state = core.init_group(
       make,
       name=f"{name} ({encoder})",
@@ -289,6 +305,21 @@ def build(config):
     states.append(state)
     train_data.append(_client_data(config, name, g))
     names += [f"{name} client {k + 1}" for k in range(spec.num)]
+  return tuple(clients), tuple(states), tuple(train_data), names
+
+
+def build(config):
+  """Validated client groups, server, initial states, private data, public and test sets.
+
+  The test sets are ``{"public": ..., "private": ...}`` (the latter only with
+  ``test.private_size``), each ``image [N, S, S, 3]``, ``caption [N C, L]``
+  and ``ids [N C]``.
+  """
+  validate(config)
+  world = _world(config)
+  root = jax.random.key(config.seed)
+  text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
+  clients, states, train_data, names = _client_groups(config, root)
 
   server_model = creamfl.DualEncoder(
     config.server.image_encoder,
@@ -322,9 +353,9 @@ def build(config):
       config.seed * 1000 + 3, config.test.private_size, world, 0.0, checkpoint
     )
   return (
-    tuple(clients),
-    tuple(states),
-    tuple(train_data),
+    clients,
+    states,
+    train_data,
     server,
     server_params,
     public,
@@ -347,6 +378,16 @@ def _bytes_per_client(config, clients) -> tuple[np.ndarray, np.ndarray]:
     up += [sent] * config.clients[spec_name].num
     downs += [down] * config.clients[spec_name].num
   return np.asarray(up, np.int64), np.asarray(downs, np.int64)
+
+
+def _tower_bytes(server_params, clients, config) -> np.ndarray:
+  """Bytes of the server-sized towers each client holds (FedAvg / FedIoT send them both ways)."""
+  out = []
+  for client, name in zip(clients, GROUPS, strict=True):
+    towers = creamfl_fedavg.client_towers(client)
+    size = sum(ledger_lib.tree_bytes(server_params[a]) for pairs in towers.values() for a in pairs)
+    out += [size] * config.clients[name].num
+  return np.asarray(out, np.int64)
 
 
 def size_label(size: int) -> str:
@@ -417,10 +458,29 @@ def experiment(config) -> loop.Experiment:
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
   fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
   local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
-  variants = {m: creamfl.variant(**creamfl.VARIANTS[m]) for m in methods if m != LOCAL}
-  rounds = {
-    m: local_step if m == LOCAL else functools.partial(fed_step, v=variants[m]) for m in methods
-  }
+  variants = {m: creamfl.variant(**ROWS[m]) for m in methods if m in ROWS}
+  rounds = {m: functools.partial(fed_step, v=variants[m]) for m in variants}
+  if LOCAL in methods:
+    rounds[LOCAL] = local_step
+  inits = {m: lambda: fed.init(server_params, states, init_key) for m in methods}
+  if any(m in PARAMETER_ROWS for m in methods):
+    # Clients of the server's size on the same private data; the public set goes to the
+    # multimodal clients (CreamFL, Sec. 4.1).
+    avg_clients, avg_states, avg_data, _ = _client_groups(
+      config, jax.random.key(config.seed), server_size=True
+    )
+    avg_data = tuple(
+      creamfl_fedavg.with_public(d, public) if c.multimodal else d
+      for c, d in zip(avg_clients, avg_data, strict=True)
+    )
+    avg = creamfl_fedavg.fedavg_towers(avg_clients, cc)
+    avg_step = jax.jit(lambda s, f: avg.round(s, avg_data, f), donate_argnums=0)
+    for m, iot in PARAMETER_ROWS.items():
+      if m in methods:
+        rounds[m] = functools.partial(avg_step, f=jnp.float32(cc.iot_weight if iot else 1.0))
+        inits[m] = lambda: avg.init(server_params, avg_states, init_key)
+    avg_up = _tower_bytes(server_params, avg_clients, config)
+  rounds = {m: rounds[m] for m in methods}
 
   sizes = tuple(config.test.sizes)
   num_test = max(sizes)
@@ -460,6 +520,8 @@ def experiment(config) -> loop.Experiment:
     if m == LOCAL:
       return None
     active = np.concatenate([np.asarray(a) for a in out["active"]])
+    if m in PARAMETER_ROWS:  # Towers down and up, the same bytes each way.
+      return np.where(active, avg_up, 0), np.where(active, avg_up, 0)
     sent = active
     if "dropped" in out:  # Dropped clients received I_glob, T_glob but sent nothing.
       sent = active & ~np.concatenate([np.asarray(a) for a in out["dropped"]])
@@ -468,8 +530,13 @@ def experiment(config) -> loop.Experiment:
   def scalars(r, outs, evals):
     values = {}
     for m in methods:
-      values[f"{m}/server_loss"] = float(outs[m]["server_loss"])
-      if m != LOCAL:
+      if m in PARAMETER_ROWS:
+        client_loss = np.concatenate([np.asarray(x) for x in outs[m]["client_loss"]])
+        active = np.concatenate([np.asarray(a) for a in outs[m]["active"]])
+        values[f"{m}/client_loss"] = float(client_loss[active].mean())
+      else:
+        values[f"{m}/server_loss"] = float(outs[m]["server_loss"])
+      if m in ROWS:
         values[f"{m}/kd_loss"] = float(outs[m]["kd_loss"])
         counts = outs[m].get("fault_counts") or {}
         values |= {f"{m}/faults/{k}": float(v) for k, v in counts.items()}
@@ -486,10 +553,7 @@ def experiment(config) -> loop.Experiment:
     return {"best": f"{best} {r1_sum(evals[best], sizes):.1f}"}
 
   return loop.Experiment(
-    init=lambda: {
-      m: jax.tree.map(jnp.copy, fed.init(server_params, states, init_key)).place(mesh)
-      for m in methods
-    },
+    init=lambda: {m: jax.tree.map(jnp.copy, inits[m]()).place(mesh) for m in methods},
     methods=rounds,
     evaluate=evaluate,
     nonfinite=nonfinite,

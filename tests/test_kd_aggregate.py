@@ -1,0 +1,130 @@
+"""FedET's and FedGEMS's weights on representations against per-sample, per-client loops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_mm.server import kd_aggregate
+
+TAU = 0.5
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _probabilities(l, g):
+  """One client's softmax over j of l_k . g_j / tau: [P, P]."""
+  logits = l @ g.T / TAU
+  e = np.exp(logits - logits.max(axis=1, keepdims=True))
+  return e / e.sum(axis=1, keepdims=True)
+
+
+def _fedet_loop(local, g_other, present):
+  num_clients, num_public, _ = local.shape
+  probs = [_probabilities(local[c], g_other) for c in range(num_clients)]
+  weights = np.zeros((num_clients, num_public))
+  for k in range(num_public):
+    votes = {c: int(np.argmax(probs[c][k])) for c in range(num_clients) if present[c]}
+    if not votes:
+      continue
+    counts = {c: sum(v == votes[c] for v in votes.values()) for c in votes}
+    top = max(counts.values())
+    kept = [c for c in votes if counts[c] == top]
+    var = {c: np.var(probs[c][k]) for c in kept}
+    for c in kept:
+      weights[c, k] = var[c] / sum(var.values())
+  return np.einsum("ck,ckd->kd", weights, local), weights
+
+
+def _fedgems_loop(local, g_same, g_other, present):
+  num_clients, num_public, _ = local.shape
+  probs = [_probabilities(local[c], g_other) for c in range(num_clients)]
+  weights = np.zeros((num_clients, num_public))
+  agg = np.zeros(local.shape[1:])
+  for k in range(num_public):
+    if np.argmax(g_same[k] @ g_other.T) == k:  # S_correct: the server's own representation
+      agg[k] = g_same[k]
+      continue
+    chosen = [c for c in range(num_clients) if present[c] and np.argmax(probs[c][k]) == k]
+    if not chosen:
+      chosen = [c for c in range(num_clients) if present[c]]
+    entropy = {c: -np.sum(probs[c][k] * np.log(probs[c][k])) for c in chosen}
+    z = sum(np.exp(-h) for h in entropy.values())
+    for c in chosen:
+      weights[c, k] = np.exp(-entropy[c]) / z
+      agg[k] += weights[c, k] * local[c, k]
+  return agg, weights
+
+
+def _data(seed, num_clients=5, num_public=12, dim=6):
+  rng = np.random.default_rng(seed)
+  g_other = _unit(rng.normal(size=(num_public, dim)))
+  g_same = _unit(g_other + 1.2 * rng.normal(size=(num_public, dim)))
+  # Clients near the server's other modality (some agree), plus two near-copies for majorities.
+  local = _unit(g_other[None] + rng.normal(scale=0.9, size=(num_clients, num_public, dim)))
+  local[1] = _unit(local[0] + 0.05 * rng.normal(size=(num_public, dim)))
+  return local, g_same, g_other
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("present", [[1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [0, 0, 0, 1, 0]])
+def test_fedet_matches_a_loop(x64, seed, present):
+  local, _, g_other = _data(seed)
+  present = np.asarray(present, bool)
+  agg, w = kd_aggregate.fedet(local, g_other, present, temperature=TAU)
+  want_agg, want_w = _fedet_loop(local, g_other, present)
+  np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(np.asarray(agg), want_agg, rtol=1e-9, atol=1e-12)
+  # Absent clients weigh 0; every sample's weights sum to 1 over the present clients.
+  assert np.all(np.asarray(w)[~present] == 0)
+  np.testing.assert_allclose(np.asarray(w).sum(0), 1.0, rtol=1e-9)
+
+
+def test_fedet_majority_excludes_the_dissenting_client():
+  """Two clients vote for sample 0's pair, one for another sample: the third weighs 0."""
+  g = jnp.eye(3)
+  local = jnp.stack([g, g * 0.9 + 0.01, jnp.roll(g, 1, axis=0)])
+  _, w = kd_aggregate.fedet(local, g, jnp.array([True, True, True]), temperature=0.1)
+  w = np.asarray(w)
+  assert np.all(w[2] == 0) and np.all(w[:2] > 0)
+  # The more peaked (confident) client weighs more.
+  assert np.all(w[0] > w[1])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("present", [[1, 1, 1, 1, 1], [0, 1, 1, 0, 1], [0, 0, 0, 0, 0]])
+def test_fedgems_matches_a_loop(x64, seed, present):
+  local, g_same, g_other = _data(seed)
+  present = np.asarray(present, bool)
+  agg, w = kd_aggregate.fedgems(local, g_same, g_other, present, temperature=TAU)
+  want_agg, want_w = _fedgems_loop(local, g_same, g_other, present)
+  np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(np.asarray(agg), want_agg, rtol=1e-9, atol=1e-12)
+  keep = np.asarray(kd_aggregate.server_correct(g_same, g_other))
+  # Both S_correct and S_incorrect occur in the data, so both branches are tested.
+  assert 0 < keep.sum() < len(keep)
+  if present.any():
+    np.testing.assert_allclose(np.asarray(w).sum(0)[~keep], 1.0, rtol=1e-9)
+
+
+def test_fedgems_prefers_correct_clients_and_keeps_the_servers_right_answers():
+  g_other = jnp.eye(3)
+  g_same = jnp.asarray(np.roll(np.eye(3), 1, axis=0)).at[0].set(jnp.array([1.0, 0, 0]))
+  # The server retrieves sample 0's pair only. Client 0 is right everywhere, client 1 nowhere.
+  local = jnp.stack([g_other, jnp.roll(g_other, 1, axis=0)])
+  agg, w = kd_aggregate.fedgems(local, g_same, g_other, jnp.array([True, True]))
+  np.testing.assert_array_equal(np.asarray(kd_aggregate.server_correct(g_same, g_other)), [1, 0, 0])
+  np.testing.assert_allclose(np.asarray(agg)[0], np.asarray(g_same)[0])
+  np.testing.assert_allclose(np.asarray(w), [[0, 1, 1], [0, 0, 0]])
+  np.testing.assert_allclose(np.asarray(agg)[1:], np.asarray(g_other)[1:])
+
+
+def test_rules_jit_and_run_in_float32():
+  local, g_same, g_other = (jnp.asarray(x, jnp.float32) for x in _data(3))
+  present = jnp.array([True, False, True, True, True])
+  agg, w = jax.jit(kd_aggregate.fedet)(local, g_other, present)
+  agg2, w2 = jax.jit(kd_aggregate.fedgems)(local, g_same, g_other, present)
+  for a in (agg, w, agg2, w2):
+    assert a.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(a)))
