@@ -80,6 +80,20 @@ def update_fn(setup):
   return fn
 
 
+@pytest.fixture(scope="module")
+def state0(setup):
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  init = jax.jit(functools.partial(alg.init, spec))
+  return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2))
+
+
+@pytest.fixture(scope="module")
+def step(setup):
+  """One jitted round for the module's tests (compiled once per ``moon`` value)."""
+  spec, frozen = setup[0], setup[3]
+  return jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
+
+
 def _update(setup, fn, k, meth, protos):
   _, _, personal, _, arrays, mask, mod = setup
   k_arrays = jax.tree.map(lambda x: x[k], arrays)
@@ -130,12 +144,8 @@ def test_mapped_equals_looped_client_updates(setup, update_fn):
       np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-6)
 
 
-def test_rounds_of_every_method_and_personal_state_stays_home(setup):
+def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step):
   spec, glob, personal, frozen, arrays, mask, mod = setup
-  state0 = jax.jit(functools.partial(alg.init, spec))(
-    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
-  )
-  step = jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
   states = {}
   for name in alg.METHODS:
     state = state0
@@ -161,16 +171,12 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup):
   assert not any("personal" in n or "encoder" in n for n in names)
 
 
-def test_ablation_switches_act(setup):
+def test_ablation_switches_act(setup, state0, step):
   """Table 5 / C.4 ablations: each removes what it names and nothing else."""
   spec, glob, personal, frozen, arrays, mask, mod = setup
   no_align = alg.method("rcsr_no_align")
   assert float(no_align.lambda_a) == 0 and float(no_align.lambda_s) == 0
   assert bool(no_align.router) and bool(no_align.fair)
-  state0 = jax.jit(functools.partial(alg.init, spec))(
-    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
-  )
-  step = jax.jit(functools.partial(alg.round_step, spec, frozen))
 
   def two_rounds(name):
     state = state0
@@ -232,14 +238,10 @@ def test_personal_learning_rate_ratio_acts(setup):
   assert moved(1.0) > 3 * base
 
 
-def test_moon_term_acts_and_keeps_previous_models(setup):
+def test_moon_term_acts_and_keeps_previous_models(setup, state0, step):
   """MOON: weight 0 is FedAvg (to rounding); weight 1 changes the round; the sampled
   clients' local models become their ``previous`` ones, the others keep theirs."""
   spec, glob, personal, frozen, arrays, mask, mod = setup
-  state0 = jax.jit(functools.partial(alg.init, spec))(
-    glob, personal, frozen, arrays, mask, mod, jax.random.key(2)
-  )
-  step = jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
   fedavg, _ = step(alg.method("fedavg"), state0, arrays, mask, mod)
   off, _ = step(alg.method("moon", moon_mu=0.0), state0, arrays, mask, mod, moon=True)
   # (Two different compiles: equal up to float32 rounding of reordered sums.)
