@@ -1,5 +1,6 @@
 """Tests of fedjax_mm.runner.report: tables, number formats, report file, PNG plots."""
 
+import json
 import math
 import struct
 import sys
@@ -7,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedjax_mm.runner import format_table, mean_std, percent, plot_curves, write_report
+from fedjax_mm.runner import format_table, mean_std, percent, plot_curves, report, write_report
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -117,3 +118,25 @@ def test_plot_curves_leaves_pyplot_alone(tmp_path):
     assert not sys.modules["matplotlib.pyplot"].get_fignums()  # No figure left open.
   else:
     assert "matplotlib.pyplot" not in sys.modules
+
+
+def test_load_seed_runs_and_seed_cell(tmp_path):
+  def run(name, seed, lr=0.1, finished=True):
+    w = tmp_path / name
+    w.mkdir()
+    (w / "config.json").write_text(json.dumps({"seed": seed, "lr": lr}))
+    if finished:
+      (w / "results.json").write_text(json.dumps({"value": seed}))
+    return w
+
+  a, b = run("a", 0), run("b", 1)
+  results, configs = report.load_seed_runs([a, b])
+  assert [r["value"] for r in results] == [0, 1] and [c["seed"] for c in configs] == [0, 1]
+  with pytest.raises(ValueError, match="differ in more than the seed"):
+    report.load_seed_runs([a, run("c", 2, lr=0.2)])
+  with pytest.raises(FileNotFoundError, match="has not finished"):
+    report.load_seed_runs([a, run("d", 3, finished=False)])
+  with pytest.raises(ValueError, match="no workdirs"):
+    report.load_seed_runs([])
+  assert report.seed_cell([1.0, 2.0, 3.0]) == "2.0 ± 1.0"
+  assert report.seed_cell([4.25]) == "4.2 ± 0.0"

@@ -38,7 +38,6 @@ the distortion matrix.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 from typing import Any
 
@@ -50,6 +49,7 @@ from fedjax_mm import losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import loop
+from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
@@ -381,24 +381,10 @@ def summarize(workdirs) -> str:
   ``python -m experiments.summarize --format=fedrgb runs/fedrgb_s*``: the runs must share
   every config key but the seed (same methods, clients and test sizes).
   """
-  runs, configs = [], []
-  for w in map(pathlib.Path, workdirs):
-    if not (w / "results.json").exists():
-      raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
-    runs.append(json.loads((w / "results.json").read_text()))
-    configs.append(json.loads((w / "config.json").read_text()))
-  if not runs:
-    raise ValueError("no workdirs given.")
-  strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
-  if any(strip(c) != strip(configs[0]) for c in configs):
-    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  runs, configs = report_lib.load_seed_runs(workdirs)
   methods = list(runs[0]["methods"])
 
-  def cell(values):
-    values = np.asarray(values, np.float64)
-    std = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{values.mean():.1f} ± {std:.1f}"
-
+  cell = report_lib.seed_cell
   value = lambda r, m, g, n: r["methods"][m][g][n]
   rows = [[m] + [cell([value(r, m, g, n) for r in runs]) for g, n in COLUMNS] for m in methods]
   if "fedrgb" in methods:

@@ -21,7 +21,6 @@ of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = 
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 from typing import Any
 
@@ -36,6 +35,7 @@ from fedjax_mm.models import image as image_models
 from fedjax_mm.models import pretrained
 from fedjax_mm.models import text as text_models
 from fedjax_mm.runner import loop
+from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
@@ -347,24 +347,10 @@ def summarize(workdirs) -> str:
 
   The runs must share every config key but the seed.
   """
-  runs, configs = [], []
-  for w in map(pathlib.Path, workdirs):
-    if not (w / "results.json").exists():
-      raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
-    runs.append(json.loads((w / "results.json").read_text()))
-    configs.append(json.loads((w / "config.json").read_text()))
-  if not runs:
-    raise ValueError("no workdirs given.")
-  strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
-  if any(strip(c) != strip(configs[0]) for c in configs):
-    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  runs, configs = report_lib.load_seed_runs(workdirs)
   methods = list(runs[0]["methods"])
 
-  def cell(values):
-    values = np.asarray(values, np.float64)
-    std = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{values.mean():.1f} ± {std:.1f}"
-
+  cell = report_lib.seed_cell
   value = lambda r, m, g, k: r["methods"][m][g][k]
   rows = [[m] + [cell([value(r, m, g, k) for r in runs]) for _, g, k in SUMMARY] for m in methods]
   if "rcsr" in methods:

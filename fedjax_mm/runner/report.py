@@ -37,6 +37,7 @@ number is.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -46,7 +47,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_table", "mean_std", "percent", "plot_curves", "write_report", "write_text"]
+__all__ = [
+  "format_table",
+  "load_seed_runs",
+  "mean_std",
+  "percent",
+  "plot_curves",
+  "seed_cell",
+  "write_report",
+  "write_text",
+]
 
 # Subplot grid: at most this many columns; rows grow as needed.
 _MAX_COLUMNS = 4
@@ -197,6 +207,39 @@ def mean_std(values: Iterable[Any], *, scale: float = 100.0, digits: int = 1) ->
     return mean
   std = float(array.std(ddof=1))
   return f"{mean} ± {std:.{digits}f}"
+
+
+def load_seed_runs(workdirs: Iterable[str | os.PathLike[str]]) -> tuple[list[dict], list[dict]]:
+  """``(results, configs)`` of finished runs that differ only in their seed.
+
+  The runner summaries over seeds start here: every workdir must hold a
+  ``results.json`` (else the run has not finished) and the configs must agree on
+  every key but ``seed``; both failures raise with one line.
+  """
+  runs, configs = [], []
+  for w in map(Path, workdirs):
+    if not (w / "results.json").exists():
+      raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
+    runs.append(json.loads((w / "results.json").read_text()))
+    configs.append(json.loads((w / "config.json").read_text()))
+  if not runs:
+    raise ValueError("no workdirs given.")
+  strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
+  if any(strip(c) != strip(configs[0]) for c in configs):
+    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  return runs, configs
+
+
+def seed_cell(values: Iterable[Any], *, digits: int = 1) -> str:
+  """``"mean ± sample std"`` of values already in the unit to print (``± 0.0`` for one).
+
+  Example:
+    >>> seed_cell([10.0, 12.0])
+    '11.0 ± 1.4'
+  """
+  values = np.asarray(list(values), np.float64)
+  std = values.std(ddof=1) if len(values) > 1 else 0.0
+  return f"{values.mean():.{digits}f} ± {std:.{digits}f}"
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:
