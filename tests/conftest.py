@@ -1,13 +1,20 @@
-"""Test configuration: 8 fake CPU devices and float64 where a test asks for it.
+"""Test configuration: 8 fake CPU devices, fast compiles, float64 where a test asks for it.
 
-The XLA flag must be set before jax is imported anywhere, so it lives here, at
+The XLA flags must be set before jax is imported anywhere, so they live here, at
 the top of the first module pytest imports.
+
+``--xla_backend_optimization_level=0`` skips LLVM's optimisation passes on the CPU
+backend: the same HLO, the same semantics, slower kernels but much faster compiles.
+The tests' programs are tiny and compiled once or twice each, so the whole suite
+runs about a quarter faster (a subset on 2 cores: 186 s -> 133 s). The experiments'
+subprocesses (``experiment_main``) get the same flag, without the fake devices.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join(
+  [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", FAST_COMPILE]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

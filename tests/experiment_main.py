@@ -1,8 +1,9 @@
 """Runs ``python -m experiments.main`` in a subprocess, as a user would, for the end-to-end tests.
 
 The child gets the repository on its path, no fake-device XLA flags (the
-experiments run on the real CPU device), and a compilation cache shared by the
-test session, so runs of the same config in one session compile once.
+experiments run on the real CPU device) but the tests' fast-compile flag (see
+``conftest.py``), and a compilation cache shared by the test session, so runs of
+the same config in one session compile once.
 """
 
 import os
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def start(config: str, workdir, *overrides: str, cache_dir) -> subprocess.Popen:
   """Starts the command; the caller waits on (or kills) the process."""
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # conftest.FAST_COMPILE
   env["PYTHONPATH"] = str(ROOT)
   cmd = [
     sys.executable,
