@@ -26,14 +26,16 @@ def get_config(arg=None):
   config.seed = 0
   # Each image encoder once; each text encoder's shipped weights come from the
   # first pair that names it.
-  config.pairs = [
+  # A tuple, so one run can name its own pairs:
+  #   --config.pairs="(('cnn_m', 'transformer_t'),)"
+  config.pairs = (
     ("vit_t", "transformer_t"),
     ("cnn_s", "gru"),
     ("vit_s", "transformer_s"),
     ("cnn_m", "transformer_t"),
     ("resnet_t", "transformer_t"),
     ("vit_b", "transformer_s"),
-  ]
+  )
   config.web = ml_collections.ConfigDict({"size": 50_000, "shift": 0.5})
   # Epochs per image encoder, sized to about 50 minutes on 2 CPU cores in all.
   config.default_epochs = 3
@@ -47,7 +49,7 @@ def get_config(arg=None):
   config.probe = ml_collections.ConfigDict({"train": 1000, "test": 1000})
   config.eval_pairs = 1000
   if arg == "smoke":
-    config.pairs = [("vit_t", "transformer_t"), ("cnn_s", "transformer_t")]
+    config.pairs = (("vit_t", "transformer_t"), ("cnn_s", "transformer_t"))
     config.web.size = 256
     config.default_epochs = 1
     config.epochs = ml_collections.ConfigDict()

@@ -213,7 +213,8 @@ def test_shipped_pair_reproduces_its_recorded_quality():
     (lambda c: setattr(c, "pairs", [("vit_t", "gru"), ("vit_t", "transformer_t")]), "two pairs"),
     (lambda c: setattr(c, "learning_rate", float("nan")), "learning_rate"),
     (lambda c: setattr(c.web, "size", 10), "smaller than one batch"),
-    (lambda c: c.epochs.update({"vit_b": 1}), "no pair's image encoder"),
+    (lambda c: c.epochs.update({"vit_x": 1}), "'vit_x', which is no image encoder"),
+    (lambda c: c.epochs.update({"gru": 1}), "'gru', which is no image encoder"),
   ],
 )
 def test_bad_pretraining_configs_are_refused_in_one_line(change, message):
@@ -221,3 +222,11 @@ def test_bad_pretraining_configs_are_refused_in_one_line(change, message):
   change(config)
   with pytest.raises(pretrain.ConfigError, match=message):
     pretrain.validate(config)
+
+
+def test_one_pair_of_the_default_config_can_be_pretrained_alone():
+  # The default's per-encoder epochs name pairs outside the run; that is allowed.
+  config = pretrain_config.get_config()
+  config.pairs = (("cnn_m", "transformer_t"),)
+  assert pretrain.validate(config) == [("cnn_m", "transformer_t")]
+  assert pretrain.epochs_for(config, "cnn_m") == config.default_epochs

@@ -88,9 +88,11 @@ def validate(config) -> list[tuple[str, str]]:
       raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}.")
   if config.learning_rate <= 0 or config.warmup_fraction >= 1:
     raise ConfigError("learning_rate must be > 0 and warmup_fraction < 1.")
+  # Entries for encoders outside this run's pairs are allowed (a run may pretrain
+  # a subset of the default pairs); names that are no image encoder are typos.
   for name in dict(config.epochs):
-    if name not in seen:
-      raise ConfigError(f"epochs names {name!r}, which is no pair's image encoder.")
+    if models.ENCODERS.get(name, ("",))[0] != "image":
+      raise ConfigError(f"epochs names {name!r}, which is no image encoder of models.ENCODERS.")
   if any(
     not isinstance(e, int) or e < 1 for e in [config.default_epochs, *dict(config.epochs).values()]
   ):
