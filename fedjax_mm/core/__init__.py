@@ -20,6 +20,7 @@ from fedjax_mm.core.client import (
 from fedjax_mm.core.sharding import (
   client_mesh,
   jit_round,
+  local_mesh,
   padded_size,
   replicate,
   shard_clients,
@@ -38,6 +39,7 @@ __all__ = [
   "finite_per_client",
   "init_group",
   "jit_round",
+  "local_mesh",
   "local_update",
   "make_client_data",
   "map_clients",

@@ -45,6 +45,22 @@ def client_mesh(num_devices: int | None = None) -> Mesh:
   )
 
 
+def local_mesh() -> Mesh:
+  """A 1-device ``clients`` mesh on this process's first device.
+
+  The experiments' runners place every client on it. With one process it is
+  ``client_mesh(1)``. In a job of several processes (``jax.distributed``) each
+  process gets its own: every process computes the whole run on its own device,
+  from the same seeds, so all hold the same arrays (process 0 writes the files,
+  :mod:`fedjax_mm.core.processes`; the checkpoints store them once,
+  :mod:`fedjax_mm.core.checkpoint`). ``client_mesh(1)`` would instead name process
+  0's device, which no other process can address.
+  """
+  return jax.make_mesh(
+    (1,), (CLIENTS,), axis_types=(AxisType.Auto,), devices=jax.local_devices()[:1]
+  )
+
+
 def padded_size(num_clients: int, mesh: Mesh) -> int:
   """The smallest multiple of the mesh size that holds ``num_clients``."""
   size = mesh.shape[CLIENTS]

@@ -452,7 +452,7 @@ def experiment(config) -> loop.Experiment:
   clients, states, train_data, server, server_params, public, test, names = build(config)
   methods = tuple(config.methods)
   cc = _cream_config(config)
-  mesh = core.client_mesh(1)
+  mesh = core.local_mesh()
   fed = creamfl.creamfl(clients, server, cc, faults=validation.check_faults(config))
   local = creamfl.server_only(server, cc)
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)

@@ -239,7 +239,7 @@ def experiment(config) -> loop.Experiment:
   """
   users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
   mc = _muscle_config(config)
-  mesh = core.client_mesh(1)
+  mesh = core.local_mesh()
   faults = validation.check_faults(config)
   algs = {
     "fedmuscle": fedmuscle.fedmuscle(groups, mc, faults=faults),

@@ -527,7 +527,7 @@ def experiment(config) -> loop.Experiment:
   names = [c["name"] for c in config.clients]
   methods = tuple(config.methods)
   ns = tuple(int(n) for n in config.ns)
-  mesh = core.client_mesh(1)
+  mesh = core.local_mesh()
   faults = validation.check_faults(config)
   algs = {
     m: alg_lib.fedscmr(group, method_config(config, m, setup.num_classes), faults=faults)
