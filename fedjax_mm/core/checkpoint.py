@@ -65,6 +65,16 @@ Guarantees and choices:
   tampering, at about 4 GB/s. Steps written before checksums existed (Orbax's
   step metadata lists no ``checksums`` item) are read unverified. Leaves not fully addressable by this
   process (multi-host arrays) are not checksummed.
+* **Several processes** (``jax.distributed``): every process calls
+  :meth:`~Checkpointer.save` and the restores, as Orbax requires, and Orbax writes
+  each array once. An array that lives on this process's devices only (the
+  experiments compute the whole run in every process, on
+  :func:`~fedjax_mm.core.sharding.local_mesh`) is taken to be the same on every
+  process: it is saved as one array replicated over the first device of every
+  process (Orbax refuses process-local arrays), and a target leaf placed on this
+  process only is restored the same way, then copied onto its sharding. Such
+  leaves are checksummed and verified like any other. The JSON items are written
+  by process 0; renaming a damaged step too, while the others wait.
 * **Damaged steps are set aside, never deleted.**
   :meth:`restore_latest_good` tries the steps newest first; a step that fails
   to read (an exception, missing files, a checksum mismatch) is renamed to
@@ -106,6 +116,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fedjax_mm.core import processes
 
 __all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError"]
 
@@ -255,6 +269,39 @@ def _drop_orphaned_orbax_reads(record: logging.LogRecord) -> bool:
   return True
 
 
+def _process_local(sharding: jax.sharding.Sharding | None) -> bool:
+  """Whether a leaf on ``sharding`` (None: not placed yet) lives on this process only, in a job
+  of several processes: a value every process holds alike, which Orbax cannot write as it is."""
+  return jax.process_count() > 1 and (sharding is None or sharding.is_fully_addressable)
+
+
+def _over_processes() -> NamedSharding:
+  """Replicated over the first device of every process: one copy per process."""
+  devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
+  return NamedSharding(Mesh(np.array(devices), ("processes",)), P())
+
+
+def _lift(leaf: Any) -> Any:
+  """A process-local array as one array over every process (see the module docstring)."""
+  if not isinstance(leaf, jax.Array) or not _process_local(leaf.sharding):
+    return leaf
+  if _is_prng_key(leaf):
+    return jax.random.wrap_key_data(
+      _lift(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf)
+    )
+  local = jax.device_put(leaf, jax.local_devices()[0])
+  return jax.make_array_from_single_device_arrays(leaf.shape, _over_processes(), [local])
+
+
+def _local_copy(x: jax.Array) -> jax.Array:
+  """Inverse of :func:`_lift`: this process's copy of an array replicated over processes."""
+  if _is_prng_key(x):
+    return jax.random.wrap_key_data(
+      _local_copy(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+    )
+  return x.addressable_data(0)
+
+
 def _uncommit(x: jax.Array) -> jax.Array:
   """Re-creates ``x`` as an uncommitted array on the default device.
 
@@ -373,7 +420,7 @@ class Checkpointer:
       int(step),
       args=ocp.args.Composite(
         **{
-          _STATE: ocp.args.StandardSave(state),
+          _STATE: ocp.args.StandardSave(jax.tree.map(_lift, state)),
           _METADATA: ocp.args.JsonSave(document),
           _CHECKSUMS: ocp.args.JsonSave(checksums),
         }
@@ -464,7 +511,9 @@ class Checkpointer:
     def abstract(leaf):
       if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         sharding = _target_sharding(leaf)
-        if sharding is None:
+        if _process_local(sharding):
+          sharding = _over_processes()  # As saved (_lift); made local again in finish.
+        elif sharding is None:
           sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
       return leaf
@@ -475,9 +524,13 @@ class Checkpointer:
     )[_STATE]
 
     def finish(leaf, value):
-      if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and _target_sharding(leaf) is None:
-        return _uncommit(value)
-      return value
+      if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+        return value
+      sharding = _target_sharding(leaf)
+      if _process_local(sharding):
+        value = _local_copy(value)
+        return _uncommit(value) if sharding is None else jax.device_put(value, sharding)
+      return _uncommit(value) if sharding is None else value
 
     return jax.tree.map(finish, target, restored)
 
@@ -535,16 +588,18 @@ class Checkpointer:
         failures.append((step, _reason(e)))
         self._reopen()
         continue
-      for bad, reason in failures:
-        aside = self._set_aside(bad)
-        _log.warning(
-          "checkpoint of round %d is damaged (%s); set aside as %s; resuming from round %d",
-          bad,
-          reason,
-          aside,
-          step,
-        )
       if failures:
+        if processes.is_primary():  # One rename per step; the others wait for it.
+          for bad, reason in failures:
+            aside = self._set_aside(bad)
+            _log.warning(
+              "checkpoint of round %d is damaged (%s); set aside as %s; resuming from round %d",
+              bad,
+              reason,
+              aside,
+              step,
+            )
+        processes.sync("fedjax_mm_checkpoint_set_aside")
         self._reopen()
       return step, state
     if not failures:
