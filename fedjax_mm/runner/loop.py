@@ -8,10 +8,10 @@ needs, in one place:
 * **Validation first.** ``build(config)`` is called before the workdir is
   touched: a bad config raises :class:`~fedjax_mm.runner.errors.ConfigError`
   and nothing is written or compiled.
-* **Workdir.** :func:`~fedjax_mm.runner.workdir.lock_workdir` (one run per
-  workdir), then :func:`~fedjax_mm.runner.workdir.prepare_workdir`: a fresh
-  run, a resume (same config), or a refusal (another config; ``overwrite``
-  moves it aside).
+* **Workdir.** :func:`~fedjax_mm.runner.workdir.claim_workdir`:
+  :func:`~fedjax_mm.runner.workdir.lock_workdir` (one run per workdir), then
+  :func:`~fedjax_mm.runner.workdir.prepare_workdir`: a fresh run, a resume
+  (same config), or a refusal (another config; ``overwrite`` moves it aside).
 * **Resume, bit for bit.** Every method's state is checkpointed after every
   ``config.checkpoint_every`` rounds and after the last one, with the
   communication ledgers in the step's metadata. A rerun restores the newest
@@ -33,6 +33,13 @@ needs, in one place:
   received in a method's round; the loop keeps one
   :class:`~fedjax_mm.core.ledger.Ledger` per method that sends anything, and
   the checkpoint carries them, so a resumed run continues the same counts.
+* **Several processes, one writer.** In a job started with
+  ``jax.distributed.initialize()`` every process runs the whole loop (the
+  rounds, evaluations and Orbax checkpoints are collective), and only process 0
+  (:func:`fedjax_mm.core.processes.is_primary`) writes: it takes the lock and
+  prepares the workdir (:func:`~fedjax_mm.runner.workdir.claim_workdir`, which
+  tells the others whether to resume), writes the metric lines, shows the
+  progress bar, and writes and prints the report. The others are quiet.
 * **Metrics, progress, report.** Rows of :attr:`Experiment.scalars` go to
   ``metrics.jsonl`` and TensorBoard (one :class:`MetricWriter` per run name);
   a progress bar shows :attr:`Experiment.postfix`. At the end
@@ -68,11 +75,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_mm.core import processes
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.ledger import Ledger
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import NonFiniteError, checkpoint_note
-from fedjax_mm.runner.workdir import lock_workdir, prepare_workdir
+from fedjax_mm.runner.workdir import claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 __all__ = ["Curves", "Experiment", "Outcome", "Report", "run"]
@@ -200,10 +208,11 @@ def run(
       ``checkpoint_every``; stored as ``config.json``.
     workdir: the run's folder.
     overwrite: move a workdir holding another config aside instead of refusing.
-    progress: show a progress bar over rounds.
+    progress: show a progress bar over rounds (on process 0).
 
   Returns:
-    :attr:`Report.results`, also written to ``results.json``.
+    :attr:`Report.results`, also written to ``results.json``; on processes
+    other than 0 of a multi-process job, which write no report, ``{}``.
 
   Raises:
     ConfigError: from ``build``. WorkdirError: the workdir is in use or holds
@@ -212,8 +221,9 @@ def run(
   """
   experiment = build(config)
   workdir = pathlib.Path(workdir)
-  with lock_workdir(workdir):  # One run per workdir; before anything is written.
-    resumed = prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+  writes = processes.is_primary()
+  # One run per workdir, taken before anything is written.
+  with claim_workdir(workdir, config.to_dict(), overwrite=overwrite) as resumed:
     started = time.time()
     state = dict(experiment.init())
     ledgers: dict[str, Ledger] = {}
@@ -228,15 +238,19 @@ def run(
       # A rerun drops the lines of rounds after the checkpoint, to write them again.
       writers = {
         name: MetricWriter(workdir, name, resume_round=start if resumed else None)
-        for name in experiment.runs
+        for name in (experiment.runs if writes else ())
       }
       try:
-        final = _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress)
+        final = _rounds(
+          experiment, config, state, ledgers, start, checkpointer, writers, progress and writes
+        )
       finally:
         for writer in writers.values():
           writer.close()
     if not final:  # No round left (a rerun of a finished or report-killed run): evaluate anew.
       final = {m: experiment.evaluate(s) for m, s in state.items()}
+    if not writes:
+      return {}
     outcome = Outcome(final, read_metrics(workdir), ledgers, time.time() - started, start)
     report = experiment.report(outcome)
     report_lib.write_report(workdir / "report.md", title=report.title, sections=report.sections)
@@ -251,6 +265,8 @@ def run(
 
 def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress):
   """Rounds ``start + 1 .. config.rounds``, updating ``state`` and ``ledgers`` in place.
+
+  ``writers`` is empty on the processes that do not write (no metric lines).
 
   Returns:
     method -> metrics of the last evaluation round run; empty if none ran.
@@ -280,8 +296,9 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
       if evaluating:
         evals[m] = experiment.evaluate(state[m])
     final.update(evals)
-    for name, scalars in experiment.scalars(done, outs, evals):
-      writers[name].write(done, scalars)
+    if writers:
+      for name, scalars in experiment.scalars(done, outs, evals):
+        writers[name].write(done, scalars)
     if done % config.checkpoint_every == 0 or done == total:
       checkpointer.save(done, pack(state), metadata={"round": done, "ledgers": ledgers})
     postfix = experiment.postfix(evals)

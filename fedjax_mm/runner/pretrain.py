@@ -26,13 +26,16 @@
    figures.
 
 A rerun resumes at pair granularity: a pair whose folders are complete is
-evaluated from them instead of retrained. The shipped weights
+evaluated from them instead of retrained. The workdir is held like the
+federated runs' (:func:`~fedjax_mm.runner.workdir.claim_workdir`: one run per
+workdir; in a multi-process job process 0 writes). The shipped weights
 (``fedjax_mm/weights/world-clip``) are this run's folders at the default
 config; the README says how to rebuild them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -47,10 +50,11 @@ from flax import nnx
 
 from fedjax_mm import data, metrics, models
 from fedjax_mm.algorithms import clip, probe
+from fedjax_mm.core import processes
 from fedjax_mm.models import pretrained
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
-from fedjax_mm.runner.workdir import prepare_workdir
+from fedjax_mm.runner.workdir import claim_workdir
 from fedjax_mm.runner.writers import MetricWriter
 
 #: Seeds of the web split start here; federated splits use ``seed * 1000 + k``.
@@ -304,10 +308,21 @@ def load_pair(config, folder: pathlib.Path, image_name: str, text_name: str) -> 
 
 
 def run(config, workdir, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
-  """Pretrains every pair, writes the folders, the report and ``results.json``."""
+  """Pretrains every pair, writes the folders, the report and ``results.json``.
+
+  In a job of several processes every process trains every pair alike and
+  process 0 alone writes (and shows progress); the others return ``{}``.
+  """
   pairs = validate(config)
   workdir = pathlib.Path(workdir)
-  prepare_workdir(workdir, config.to_dict(), overwrite=overwrite)
+  writes = processes.is_primary()
+  with claim_workdir(workdir, config.to_dict(), overwrite=overwrite):
+    results = _pretrain(config, workdir, pairs, progress=progress and writes, writes=writes)
+    return _report(workdir, config, pairs, results) if writes else {}
+
+
+def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
+  """Every pair of ``pairs`` trained (or read back, when an earlier run finished it)."""
   started = time.time()
   out_dir = workdir / "world-clip"
   web = data.generate(WEB_SEED + config.seed, config.web.size, shift=config.web.shift)
@@ -330,7 +345,8 @@ def run(config, workdir, *, overwrite: bool = False, progress: bool = True) -> d
     if done:  # Resume: this pair was finished by an earlier run.
       quality = pretrained.read_config(out_dir / image_name)["quality"]
     else:
-      with MetricWriter(workdir, pair, resume_round=-1) as writer:
+      writer = MetricWriter(workdir, pair, resume_round=-1) if writes else None
+      with contextlib.nullcontext() if writer is None else writer:
         model = train_pair(
           config,
           image_name,
@@ -345,19 +361,20 @@ def run(config, workdir, *, overwrite: bool = False, progress: bool = True) -> d
       _round_trip(model, config.dtype)
       quality = evaluate(model, probe_train, probe_test, held_out)
       steps = epochs_for(config, image_name) * steps_per_epoch
-      _save_pair(
-        config,
-        out_dir,
-        model,
-        image_name,
-        text_name,
-        text_owner[text_name] == image_name,
-        quality,
-        steps,
-      )
+      if writes:
+        _save_pair(
+          config,
+          out_dir,
+          model,
+          image_name,
+          text_name,
+          text_owner[text_name] == image_name,
+          quality,
+          steps,
+        )
     results["pairs"][pair] = quality
   results["wall_time_s"] = time.time() - started
-  return _report(workdir, config, pairs, results)
+  return results
 
 
 def _report(workdir, config, pairs, results) -> dict[str, Any]:

@@ -46,18 +46,27 @@ Design choices:
   with ``overwrite`` the lock of this process stays with the workdir's name,
   not with the folder moved aside.
 
-This module is host-side bookkeeping and imports neither jax nor numpy. In a
-multi-process job only process 0 should call :func:`prepare_workdir`; the
-others may wait on a barrier and then read the result from the file system.
+* **One writer per job.** In a job of several processes (``jax.distributed``)
+  :func:`claim_workdir` takes the lock and prepares the workdir on process 0
+  only, and tells every process whether the run resumes (or that process 0
+  refused the workdir: then every process raises :class:`WorkdirError`).
+
+This module is host-side bookkeeping and imports neither jax nor numpy, except
+:func:`claim_workdir`, which imports :mod:`fedjax_mm.core.processes` when called.
 
 Typical use::
 
   config_dict = config.to_dict()            # ml_collections.ConfigDict -> dict
-  with lock_workdir(workdir):               # after validation, before any write
-    resumed = prepare_workdir(workdir, config_dict, overwrite=FLAGS.overwrite)
-    if resumed:
+  with claim_workdir(workdir, config_dict, overwrite=FLAGS.overwrite) as resumed:
+    if resumed:                             # after validation, before any write
       ...  # restore the latest checkpoint, if any (a crash may precede the first one)
     ...  # the whole run
+
+which, with one process, is::
+
+  with lock_workdir(workdir):
+    resumed = prepare_workdir(workdir, config_dict, overwrite=FLAGS.overwrite)
+    ...
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ __all__ = [
   "CONFIG_FILE",
   "LOCK_FILE",
   "WorkdirError",
+  "claim_workdir",
   "config_diff",
   "lock_workdir",
   "prepare_workdir",
@@ -452,3 +462,49 @@ def lock_workdir(workdir: str | os.PathLike[str]) -> Iterator[Path]:
     # Only our own lock: never one that replaced it (e.g. after a manual delete).
     if (_read_lock(path, patience_s=0.0) or {}).get("token") == token:
       path.unlink()
+
+
+@contextlib.contextmanager
+def claim_workdir(
+  workdir: str | os.PathLike[str], config: Mapping[str, Any], *, overwrite: bool = False
+) -> Iterator[bool]:
+  """:func:`lock_workdir` and :func:`prepare_workdir`, for a job of one or more processes.
+
+  Process 0 holds the lock for the ``with`` block and prepares the workdir; the
+  other processes touch nothing and learn its outcome
+  (:func:`fedjax_mm.core.processes.broadcast`), so that every process resumes,
+  or starts afresh, or stops, together. With one process this is exactly
+  ``with lock_workdir(workdir): resumed = prepare_workdir(...)``. Every process
+  of the job must call it.
+
+  Args:
+    workdir: the run's folder.
+    config: as for :func:`prepare_workdir`.
+    overwrite: as for :func:`prepare_workdir`.
+
+  Yields:
+    Whether the run resumes (:func:`prepare_workdir`'s result on process 0).
+
+  Raises:
+    WorkdirError: on process 0, from :func:`lock_workdir` or
+      :func:`prepare_workdir`; on the other processes, when process 0 raised
+      anything there (its error says why).
+    TypeError: on process 0, ``config`` is not JSON-serialisable.
+  """
+  from fedjax_mm.core import processes  # Lazy: the rest of this module needs no jax.
+
+  if not processes.is_primary():
+    outcome = processes.broadcast(0)
+    if outcome < 0:
+      raise WorkdirError(f"--workdir {workdir}: process 0 could not claim it (see its error).")
+    yield bool(outcome)
+    return
+  outcome = -1  # What the others hear if the lock or the preparation raises.
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(lock_workdir(workdir))
+      resumed = prepare_workdir(workdir, config, overwrite=overwrite)
+      outcome = int(resumed)
+    finally:
+      processes.broadcast(outcome)
+    yield resumed
