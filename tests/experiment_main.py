@@ -14,11 +14,15 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def start(config: str, workdir, *overrides: str, cache_dir) -> subprocess.Popen:
-  """Starts the command; the caller waits on (or kills) the process."""
-  env = dict(os.environ)
+def start(config: str, workdir, *overrides: str, cache_dir, env=None) -> subprocess.Popen:
+  """Starts the command; the caller waits on (or kills) the process.
+
+  ``env`` adds environment variables to the child's (after the ones set here).
+  """
+  env, extra = dict(os.environ), env
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # conftest.FAST_COMPILE
   env["PYTHONPATH"] = str(ROOT)
+  env.update(extra or {})
   cmd = [
     sys.executable,
     "-m",
@@ -33,8 +37,8 @@ def start(config: str, workdir, *overrides: str, cache_dir) -> subprocess.Popen:
   )
 
 
-def run(config: str, workdir, *overrides: str, cache_dir, timeout: int = 600):
+def run(config: str, workdir, *overrides: str, cache_dir, timeout: int = 600, env=None):
   """Runs the command to completion: ``(exit code, stdout, stderr)``."""
-  proc = start(config, workdir, *overrides, cache_dir=cache_dir)
+  proc = start(config, workdir, *overrides, cache_dir=cache_dir, env=env)
   out, err = proc.communicate(timeout=timeout)
   return proc.returncode, out, err

@@ -1,0 +1,185 @@
+"""``experiments.main --distributed``: two processes on loopback run one experiment, written once.
+
+Each process gets one CPU device (``experiment_main`` passes no fake-device
+flag) and computes the whole run on it (``core.local_mesh``); process 0 writes
+the workdir, and both take part in the Orbax checkpoints. A one-process run of
+the same command is the reference: the two-process workdir must hold the same
+files, each written once, with the same metric lines and results.
+"""
+
+import concurrent.futures
+import json
+import pathlib
+import shutil
+import socket
+
+import experiment_main
+import pytest
+
+from experiments.main import distributed_args
+
+CONFIG = "experiments/fedscmr.py:smoke"  # The smallest smoke run: bag-of-words text, no encoder.
+# One system and one N keep it short. client_map is pinned because "auto" counts
+# the devices of every process: the two-process job (2 devices) would train its
+# clients with vmap where the reference (1 device) uses scan, the same numbers up
+# to float rounding, where this test compares them bit for bit.
+OVERRIDES = ("--config.methods=('fedscmr',)", "--config.ns=(5,)", "--config.client_map=scan")
+# Cache every program, not only those compiling for over a second, so that the
+# two processes reuse the reference's compilations.
+ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(workdir, *overrides, cache_dir):
+  """Runs the command as processes 0 and 1 of one job: ``[(exit code, stdout, stderr)] * 2``."""
+  flags = ["--distributed", f"--coordinator=localhost:{_free_port()}", "--num_processes=2"]
+  procs = [
+    experiment_main.start(
+      CONFIG,
+      workdir,
+      *OVERRIDES,
+      *overrides,
+      *flags,
+      f"--process_id={i}",
+      cache_dir=cache_dir,
+      env=ENV,
+    )
+    for i in range(2)
+  ]
+  try:  # Both pipes drained at once: a process blocked on a full pipe would stall the other.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      outputs = list(pool.map(lambda p: p.communicate(timeout=300), procs))
+  finally:
+    for p in procs:
+      p.kill()
+  return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def _listing(workdir: pathlib.Path) -> list[str]:
+  """Every path in ``workdir``, except what Orbax writes inside a step (it names files per
+  process) and the name of a TensorBoard event file (it holds a time and the host)."""
+  paths = []
+  for path in workdir.rglob("*"):
+    parts = path.relative_to(workdir).parts
+    if parts[0] == "checkpoints" and len(parts) > 2:
+      continue
+    if parts[0] == "tb" and len(parts) == 3:
+      parts = (*parts[:2], "<event file>")
+    paths.append("/".join(parts))
+  return sorted(paths)
+
+
+def _own_lines(stdout: str) -> list[str]:
+  """What the command printed, without gloo's line on joining the job (its CPU collectives')."""
+  return [line for line in stdout.splitlines() if not line.startswith("[Gloo]")]
+
+
+def _results(workdir: pathlib.Path) -> str:
+  """``results.json`` without the wall time, as text (NaN compares equal to NaN there)."""
+  results = json.loads((workdir / "results.json").read_text())
+  results.pop("wall_time_s")
+  return json.dumps(results, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, main_cache):
+  """The reference (one process) and the two-process job of the same command, finished."""
+  one, two = tmp_path_factory.mktemp("one") / "run", tmp_path_factory.mktemp("two") / "run"
+  code, _, err = experiment_main.run(CONFIG, one, *OVERRIDES, cache_dir=main_cache, env=ENV)
+  assert code == 0, err[-3000:]
+  outputs = _launch(two, cache_dir=main_cache)
+  for code, _, err in outputs:
+    assert code == 0, err[-3000:]
+  return one, two, outputs
+
+
+def test_two_processes_write_once_what_one_writes(runs):
+  one, two, [(_, out0, err0), (_, out1, err1)] = runs
+  # Process 0 prints the tables and shows the progress bar; process 1 is quiet.
+  assert "FedSCMR" in out0 and "rounds:" in err0
+  assert _own_lines(out1) == [] and "rounds:" not in err1
+  listing = _listing(two)
+  assert listing == _listing(one)
+  assert listing.count("tb/fedscmr/<event file>") == 1
+  assert [p for p in listing if p.startswith("checkpoints/")] == ["checkpoints/1", "checkpoints/2"]
+  # The same lines, byte for byte, each once (one writer); the same config and results.
+  metrics = (two / "metrics.jsonl").read_text()
+  assert metrics == (one / "metrics.jsonl").read_text()
+  assert len(metrics.splitlines()) == 2  # Rounds 1 and 2 of the one system.
+  assert (two / "config.json").read_text() == (one / "config.json").read_text()
+  assert _results(two) == _results(one)
+
+
+def test_two_processes_resume_together(runs, tmp_path, main_cache):
+  one, finished, _ = runs
+  two = tmp_path / "run"
+  shutil.copytree(finished, two)
+  # The same command again: both processes restore round 2 (a collective Orbax read of
+  # the state stored once for both), find no round left and report anew, once.
+  (code0, out0, err0), (code1, out1, err1) = _launch(two, cache_dir=main_cache)
+  assert code0 == 0, err0[-3000:]
+  assert code1 == 0, err1[-3000:]
+  assert "resumed at round 2" in out0 and _own_lines(out1) == []
+  # A resumed writer opens one more event file, as it does with one process.
+  assert _listing(two) == sorted(_listing(finished) + ["tb/fedscmr/<event file>"])
+  assert (two / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
+  assert _results(two) == _results(one)
+
+
+def test_a_refused_workdir_stops_both_processes(tmp_path, main_cache):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text('{"seed": 99}\n')
+  outputs = _launch(workdir, cache_dir=main_cache)
+  errors = []
+  for code, _, err in outputs:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    errors.append(lines[0])
+  assert "different config" in errors[0]
+  assert "process 0 could not claim it" in errors[1]
+  assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]  # Lock released.
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    ((False, "localhost:1234", 2, 0), "--coordinator, --num_processes, --process_id given without"),
+    ((False, None, None, 1), "^--process_id given without --distributed$"),
+    ((True, "localhost:1234", None, None), "needs --num_processes, --process_id too"),
+    ((True, None, 2, 0), "needs --coordinator too"),
+    ((True, "localhost", 2, 0), "must be HOST:PORT"),
+    ((True, "localhost:1234", 2, 2), "must be in 0 .. 1"),
+    ((True, "localhost:1234", 0, 0), "--num_processes=0 must be at least 1"),
+  ],
+)
+def test_bad_distributed_flags(args, message):
+  with pytest.raises(ValueError, match=message):
+    distributed_args(*args)
+
+
+def test_distributed_flags():
+  assert distributed_args(False, None, None, None) is None
+  assert distributed_args(True, None, None, None) == {}  # JAX finds the cluster itself.
+  assert distributed_args(True, "10.0.0.1:1234", 4, 3) == {
+    "coordinator_address": "10.0.0.1:1234",
+    "num_processes": 4,
+    "process_id": 3,
+  }
+
+
+def test_bad_distributed_flags_exit_2_in_one_line(tmp_path, main_cache):
+  code, out, err = experiment_main.run(
+    CONFIG, tmp_path / "run", "--distributed", "--coordinator=localhost:1234", cache_dir=main_cache
+  )
+  assert code == 2 and out == ""
+  assert err.splitlines() == [
+    "error: --distributed with --coordinator needs --num_processes, --process_id too "
+    "(or none of the three, where JAX finds the cluster itself)"
+  ]
+  assert not (tmp_path / "run").exists()
