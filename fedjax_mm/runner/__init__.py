@@ -11,6 +11,8 @@ them is imported here: they import jax.
 workdir.prepare_workdir     create / check ``<workdir>``, write ``config.json``,
                             decide fresh run vs resume (``WorkdirError``
                             otherwise; ``overwrite`` moves the old one aside)
+workdir.claim_workdir       lock + prepare on process 0 of a job, the outcome
+                            (resume / fresh / refused) told to every process
 workdir.config_diff         dotted-key differences between two configs
 writers.MetricWriter        per-round scalars to ``metrics.jsonl`` and
                             TensorBoard ``tb/<run>/``, resume-safe
