@@ -135,6 +135,25 @@ def get_config(arg=None):
     }
   )
 
+  # CreamFL's Table 2 analogue (fedjax_mm.algorithms.vqa): after the last round each row's
+  # server is frozen and a fusion head learns to answer template questions about fresh
+  # scenes at test.shift (fedjax_mm.data.vqa: about 6 per scene), from the server's image
+  # feature and its text tower's reading of the question's argument.
+  config.vqa = ml_collections.ConfigDict(
+    {
+      "enabled": True,
+      "train_images": 2000,  # scenes the head trains on (~11,900 questions)
+      "test_images": 1000,  # scenes it is tested on (~5,900 questions)
+      "steps": 1000,  # Adam steps of the head, each on batch_size questions
+      "batch_size": 128,
+      "learning_rate": 1e-3,
+      "hidden": 256,
+      # "representation": the server's d-dim outputs (what the authors' head reads);
+      # "pooled": its encoders' pooled features, before the projectors.
+      "features": "representation",
+    }
+  )
+
   config.faults = faults_config()  # experiments/faults.py: all off
 
   if arg == "minilm":
@@ -162,6 +181,11 @@ def get_config(arg=None):
     config.creamfl.batch_size = 4
     config.creamfl.muscle_partners = 2
     config.creamfl.gca_chunk_size = 3
+    config.vqa.train_images = 8
+    config.vqa.test_images = 4
+    config.vqa.steps = 4
+    config.vqa.batch_size = 8
+    config.vqa.hidden = 8
   elif arg == "paper":
     config.pretrained = ""  # CreamFL's clients train from scratch (FedMuscle App. K)
     config.alpha = 0.1
