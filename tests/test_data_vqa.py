@@ -174,6 +174,10 @@ def test_arguments_are_world_words_the_captions_use():
   captions = set(" ".join(world.decode(scene["caption"].reshape(-1, 16))).split())
   words = set(" ".join(world.decode(qa["argument"])).split())
   assert words <= set(world.VOCAB) and words - captions <= {"objects", "object", "the"}
+  for argument in qa["argument"]:  # world.encode's ids for the decoded phrase
+    np.testing.assert_array_equal(world.encode(world.decode(argument), vqa.ARGUMENT_LEN), argument)
+  # The question words are not the world's (they reach the head as the type).
+  assert not {"what", "colour", "how", "many", "yes", "no"} & set(world.VOCAB)
   # Right-padded: no token after a pad.
   padded = qa["argument"] == data.PAD_ID
   assert np.all(padded[:, :-1] <= padded[:, 1:])

@@ -11,16 +11,16 @@ Question types
 --------------
 Six templates (:data:`QUESTION_TYPES`, rendered by :func:`render`):
 
-=========  =====================================  ======================  ===========
-type       question                               argument (world words)  answers
-=========  =====================================  ======================  ===========
-color      what colour is the circle ?            ``the circle``          10 colours
-shape      what shape is the red object ?         ``the red object``      10 shapes
-count      how many objects are there ?           ``objects``             one .. nine
-exists     is there a circle ?                    ``a circle``            yes / no
-texture    what is the texture of the background  ``the background``      4 textures
-size       what size is the red circle ?          ``the red circle``      3 sizes
-=========  =====================================  ======================  ===========
+=========  =======================================  ======================  ===========
+type       question                                 argument (world words)  answers
+=========  =======================================  ======================  ===========
+color      what colour is the circle ?              ``the circle``          10 colours
+shape      what shape is the red object ?           ``the red object``      10 shapes
+count      how many objects are there ?             ``objects``             one .. nine
+exists     is there a circle ?                      ``a circle``            yes / no
+texture    what is the texture of the background ?  ``the background``      4 textures
+size       what size is the red circle ?            ``the red circle``      3 sizes
+=========  =======================================  ======================  ===========
 
 Only questions with exactly one answer in their scene are asked: ``color``
 names a shape that exactly one object of the scene has, ``shape`` a colour
@@ -38,7 +38,8 @@ The world's vocabulary (:data:`fedjax_mm.data.world.VOCAB`) has no "what",
 vocabulary size, hence every text tower's embedding table and every result
 already measured. So a question is the pair ``(type, argument)``: the type an
 integer in ``[0, 6)``, the argument a short phrase made only of world words
-(``"the red object"``), tokenised with :func:`fedjax_mm.data.world.encode`.
+(``"the red object"``) as world token ids (what :func:`fedjax_mm.data.world.encode`
+gives).
 The argument is what the server's text tower reads (it has seen these words in
 captions: "a red circle", "the background", "three objects"); the type, which
 carries the interrogative ("what colour", "how many", "is there"), goes to the
