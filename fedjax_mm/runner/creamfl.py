@@ -46,7 +46,9 @@ accuracy on the questions about ``vqa.test_images`` other scenes, overall and
 per question type, is the row's Table 2 entry. Beside it: the same head
 trained blind (question only) and each type's majority answer. Every row gets
 the same questions, head initialisation and minibatches, so rows differ only
-by their servers' features.
+by their servers' features. How this differs from the paper's VQA v2 protocol
+(template questions, exact match over 38 answers, a server frozen throughout):
+:mod:`fedjax_mm.algorithms.vqa`.
 
 At the end it prints and writes tables like CreamFL's Table 1 / FedMuscle's
 Table 3 and Table 2's analogue, plus bytes per round; :func:`summarize` gives the
