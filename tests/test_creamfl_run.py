@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import creamfl as creamfl_config
+from fedjax_mm import data
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -26,6 +27,9 @@ from fedjax_mm.runner.workdir import WorkdirError
     ("creamfl.inter_temperature", 0.0, "inter_temperature must be > 0"),
     ("creamfl.public_batch_size", 9, "public_batch_size (9) must be between 1 and public.size (8)"),
     ("faults.dropout", 0.34, "FedAvg, FedIoT simulate no client faults"),
+    ("vqa.steps", 0, "vqa.steps must be >= 1"),
+    ("vqa.learning_rate", 0.0, "vqa.learning_rate must be > 0"),
+    ("vqa.features", "tokens", "vqa.features must be one of representation, pooled"),
   ],
 )
 def test_validate_rejects_bad_configs(key, value, message):
@@ -66,6 +70,7 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   result = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
   assert "| CreamFL+Muscle" in out and "| local" in out and "R@1_sum" in out and "3 test:" in out
+  assert "VQA (Table 2 analogue)" in out
   for name in ("config.json", "metrics.jsonl", "report.md", "curves.png", "results.json"):
     assert (workdir / name).exists(), name
   stored = json.loads((workdir / "results.json").read_text())
@@ -91,6 +96,34 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   assert stored["chance"]["private"]["t2i_R@1"] == pytest.approx(100 / 4)
   report = (workdir / "report.md").read_text()
   assert "chance (random ranking)" in report and "Private distribution (shift 0" in report
+  # Table 2's analogue: a VQA block for every row, on the final server.
+  assert "Table 2 analogue (VQA accuracy %)" in report and "| majority answer per type" in report
+  block = stored["vqa"]
+  assert set(block["methods"]) == set(runner.METHODS)
+  qa = runner.vqa_data(config)  # the same questions, rebuilt
+  counts = np.bincount(np.asarray(qa.test["type"]), minlength=data.vqa.NUM_TYPES)
+  types = data.vqa.QUESTION_TYPES
+  assert block["protocol"]["test_questions_per_type"] == dict(
+    zip(types, counts.tolist(), strict=True)
+  )
+  assert block["protocol"]["test_images"] == config.vqa.test_images
+  assert block["protocol"]["test_questions"] == counts.sum() == len(qa.test["answer"])
+  for m, scores in block["methods"].items():
+    for prefix in ("", "blind_"):
+      per_type = scores[f"{prefix}per_type"]
+      assert set(per_type) == set(types)
+      assert all(0.0 <= v <= 100.0 for v in (scores[f"{prefix}accuracy"], *per_type.values()))
+      # Overall accuracy is the question-weighted mean of the per-type accuracies.
+      weighted = sum(c * per_type[t] for t, c in zip(types, counts, strict=True)) / counts.sum()
+      assert scores[f"{prefix}accuracy"] == pytest.approx(weighted, abs=1e-4), m
+  # The majority baseline against numpy: each type's most frequent training answer.
+  train_type, train_answer = np.asarray(qa.train["type"]), np.asarray(qa.train["answer"])
+  best = [
+    np.bincount(train_answer[train_type == t], minlength=data.vqa.NUM_ANSWERS).argmax()
+    for t in range(data.vqa.NUM_TYPES)
+  ]
+  right = np.asarray(best)[np.asarray(qa.test["type"])] == np.asarray(qa.test["answer"])
+  assert block["majority"]["accuracy"] == pytest.approx(100 * right.mean(), abs=1e-4)
   # Bytes: the server alone sends nothing; every selected client receives I_glob and T_glob.
   assert stored["traffic"]["local"] == {"up_per_round": 0.0, "down_per_round": 0.0}
   matrix = config.public.size * config.rep_dim * 4
@@ -110,6 +143,9 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   rounds = sorted({r["round"] for r in records})
   assert rounds == list(range(1, config.rounds + 1))
+  # VQA runs once, on the final server: logged in the last round's line only.
+  for r in records:
+    assert ("CreamFL/vqa/accuracy" in r) == (r["round"] == config.rounds)
   # Table 1's baselines ran as their own rows: FedMD differs from reamFL+Mean only in the
   # clients' local distillation, FedET / FedGEMS also in the aggregation; each changes
   # what the server distils into (its eq. (7) loss) from the first round on.
@@ -128,11 +164,14 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   again = runner.run(config, workdir, progress=False)
   assert "resumed at round" in capsys.readouterr().out
   assert again["recall"] == result["recall"] and again["traffic"] == result["traffic"]
+  assert again["vqa"] == result["vqa"]  # evaluated anew on the restored servers: the same
 
   # The seeds summary: identical runs have zero spread.
   summary = runner.summarize([workdir, workdir])
   table = summary.split("\n\n")[0]
   assert "| CreamFL " in table and table.count("±") == table.count("± 0.00") > 10
+  vqa_table = summary.split("VQA (Table 2 analogue), accuracy %:\n")[1].split("\n\n")[0]
+  assert "| FedGEMS " in vqa_table and vqa_table.count("±") == vqa_table.count("± 0.00") > 10
 
   # Another config in the same workdir is refused.
   config.rounds += 1

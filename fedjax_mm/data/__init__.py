@@ -11,11 +11,14 @@ Every dataset is a dict of numpy arrays sharing a leading sample axis::
   clients[0] = data.drop_modality(clients[0], "text")  # an image-only client
   stacked, mask = data.stack_clients(clients)           # [K, n_max, ...]
 
-See `fedjax_mm.data.world` for the world and the exact label definitions, and
+See `fedjax_mm.data.world` for the world and the exact label definitions,
+`fedjax_mm.data.vqa` for question-answer pairs about its scenes
+(``data.vqa.questions(scene, seed)``), and
 `fedjax_mm.data.tfds` (imported on its own: it needs tensorflow-datasets) for the
 papers' datasets (CIFAR-100, VOC, COCO captions) in the same interface.
 """
 
+from fedjax_mm.data import vqa
 from fedjax_mm.data.digits import load_digits
 from fedjax_mm.data.partition import (
   IMAGE_KEYS,
@@ -85,5 +88,6 @@ __all__ = [
   "split_clients",
   "stack_clients",
   "take",
+  "vqa",
   "word_to_id",
 ]

@@ -36,9 +36,23 @@ R@1 over the sizes. Beside every table stands chance (:func:`chance_recall`,
 not in ``R@1_sum``. After every ``eval_every`` rounds (and the last) every
 method's server is evaluated.
 
+**VQA, as CreamFL's Table 2** (``config.vqa``; :mod:`fedjax_mm.algorithms.vqa`,
+:mod:`fedjax_mm.data.vqa`). After the last round every method's server is frozen
+and, for each, a small fusion head learns to answer template questions ("what
+colour is the circle ?", "how many objects are there ?", ...) about
+``vqa.train_images`` fresh scenes at ``test.shift``, from the server's image
+feature and its text tower's feature of the question's argument phrase; its
+accuracy on the questions about ``vqa.test_images`` other scenes, overall and
+per question type, is the row's Table 2 entry. Beside it: the same head
+trained blind (question only) and each type's majority answer. Every row gets
+the same questions, head initialisation and minibatches, so rows differ only
+by their servers' features. How this differs from the paper's VQA v2 protocol
+(template questions, exact match over 38 answers, a server frozen throughout):
+:mod:`fedjax_mm.algorithms.vqa`.
+
 At the end it prints and writes tables like CreamFL's Table 1 / FedMuscle's
-Table 3, plus bytes per round; :func:`summarize` gives the same tables over
-seeds.
+Table 3 and Table 2's analogue, plus bytes per round; :func:`summarize` gives the
+same tables over seeds.
 
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints it
@@ -51,7 +65,7 @@ import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +74,7 @@ import optax
 from flax import nnx
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg
+from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg, vqa
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import loop, validation
@@ -82,6 +96,9 @@ GROUPS = {
   "multimodal": (("image", "text"), None),
 }
 RECALL_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10")
+#: What the VQA head reads (``config.vqa.features``): the server's representations, or
+#: its encoders' pooled outputs.
+VQA_FEATURES = ("representation", "pooled")
 
 
 def _cream_config(config) -> creamfl.CreamConfig:
@@ -196,6 +213,10 @@ def validate(config) -> None:
     )
   if config.test.private_size == 1:
     raise ConfigError("test.private_size must be 0 (no private test) or >= 2, got 1.")
+  if config.vqa.features not in VQA_FEATURES:
+    raise ConfigError(
+      f"vqa.features must be one of {', '.join(VQA_FEATURES)}, got {config.vqa.features!r}."
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -245,6 +266,130 @@ def _test_set(
     "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
     "ids": jnp.asarray(np.repeat(np.arange(captions.shape[0]), captions.shape[1])),
   }
+
+
+class VqaData(NamedTuple):
+  """The VQA analogue's scenes and questions, as the server reads them.
+
+  Attributes:
+    images: ``float32 [N_train + N_test, S, S, 3]`` the training scenes, then the test scenes.
+    arguments: ``int32 [U, L]`` every distinct argument phrase (:mod:`fedjax_mm.data.vqa`),
+      as the server's text tower reads captions (world ids padded to ``L``, or the
+      ``hf:`` checkpoint's tokens).
+    train, test: ``{"image": [Q] row of images, "argument": [Q] row of arguments,
+      "type": [Q], "answer": [Q]}``, int32 each.
+  """
+
+  images: jax.Array
+  arguments: jax.Array
+  train: dict[str, jax.Array]
+  test: dict[str, jax.Array]
+
+
+def vqa_data(config) -> VqaData:
+  """Questions about ``vqa.train_images`` and ``vqa.test_images`` fresh scenes at ``test.shift``.
+
+  The scenes come from seeds of their own (``1000 seed + 4`` and ``+ 5``), disjoint from
+  the public set's, the clients' and the retrieval tests'. Each argument phrase is encoded
+  once (there are about 130 distinct ones); questions point at it by row.
+  """
+  world = _world(config)
+  splits, scenes = {}, []
+  offset = 0
+  for name, salt, num in (
+    ("train", 4, config.vqa.train_images),
+    ("test", 5, config.vqa.test_images),
+  ):
+    seed = config.seed * 1000 + salt
+    scene = data.generate(seed, num, config=world, shift=config.test.shift)
+    qa = data.vqa.questions(scene, seed)
+    qa["image"] = qa["image"] + offset
+    offset += num
+    splits[name], scenes = qa, [*scenes, scene["image"]]
+  phrases = np.concatenate([splits[n]["argument"] for n in ("train", "test")])
+  unique, rows = np.unique(phrases, axis=0, return_inverse=True)
+  rows = rows.reshape(-1).astype(np.int32)
+  arguments = np.pad(unique, ((0, 0), (0, world.max_caption_len - unique.shape[1])))
+  checkpoint = text_tokenizer(config)
+  if checkpoint is not None:
+    arguments = text_lib.retokenize(arguments, checkpoint)
+  num_train = len(splits["train"]["answer"])
+  argument_rows = {"train": rows[:num_train], "test": rows[num_train:]}
+  split = {
+    name: {
+      "image": jnp.asarray(qa["image"]),
+      "argument": jnp.asarray(argument_rows[name]),
+      "type": jnp.asarray(qa["type"]),
+      "answer": jnp.asarray(qa["answer"]),
+    }
+    for name, qa in splits.items()
+  }
+  return VqaData(
+    jnp.asarray(np.concatenate(scenes)), jnp.asarray(arguments), split["train"], split["test"]
+  )
+
+
+def vqa_features(model: creamfl.DualEncoder, images, arguments, features: str):
+  """The frozen server's ``(image [N, h_v], argument [U, h_t])`` features for the VQA head."""
+  if features == "representation":
+    image = lambda x: model.represent(x, "image")
+    text = lambda x: model.represent(x, "text")
+  else:
+    image = lambda x: model.image_encoder(x)[0]
+    text = lambda x: model.text_encoder(x)[0]
+  return apply_in_batches(image, images, 256), apply_in_batches(text, arguments, 256)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "features", "head"))
+def _vqa_step(graphdef, params, qa: VqaData, key, *, features: str, head: tuple):
+  """Features of the frozen server, then :func:`fedjax_mm.algorithms.vqa.evaluate`.
+
+  One program (module level, the graph and hyperparameters static): every row,
+  and a second run in the same process, reuse it.
+  """
+  image, text = vqa_features(nnx.merge(graphdef, params), qa.images, qa.arguments, features)
+
+  def qa_set(split):
+    return vqa.QASet(image[split["image"]], text[split["argument"]], split["type"], split["answer"])
+
+  return vqa.evaluate(
+    key,
+    qa_set(qa.train),
+    qa_set(qa.test),
+    num_types=data.vqa.NUM_TYPES,
+    num_answers=data.vqa.NUM_ANSWERS,
+    **dict(head),
+  )
+
+
+def vqa_accuracy(config, graphdef, params, qa: VqaData) -> dict[str, Any]:
+  """CreamFL's Table 2 analogue for one server: accuracies (%) of the head and its baselines.
+
+  Every server gets the same head initialisation and minibatches (the key is
+  the seed's), so rows differ only by their features.
+
+  Returns:
+    ``{"accuracy", "blind_accuracy", "majority_accuracy": float, "per_type",
+    "blind_per_type", "majority_per_type": {type: float}}``, percentages; the
+    majority's depend on the data only.
+  """
+  c = config.vqa
+  out = _vqa_step(
+    graphdef,
+    params,
+    qa,
+    jax.random.fold_in(jax.random.key(config.seed), 20_000),
+    features=c.features,
+    head=tuple((k, c[k]) for k in ("hidden", "steps", "batch_size", "learning_rate")),
+  )
+  result = {}
+  for prefix in ("", "blind_", "majority_"):
+    result[f"{prefix}accuracy"] = 100.0 * float(out[f"{prefix}accuracy"])
+    per_type = np.asarray(out[f"{prefix}per_type"], np.float64)
+    result[f"{prefix}per_type"] = {
+      t: 100.0 * float(v) for t, v in zip(data.vqa.QUESTION_TYPES, per_type, strict=True)
+    }
+  return result
 
 
 def _client_groups(config, root, *, server_size: bool = False):
@@ -499,12 +644,19 @@ def experiment(config) -> loop.Experiment:
       for r in (metrics.image_text_recall(images, texts, test_set["ids"], folds=f) for f in folds)
     ]
 
+  qa = vqa_data(config) if config.vqa.enabled else None
+
   def evaluate(s) -> dict[str, dict[str, float]]:
-    """``{size label: recall, ...}`` on the public-distribution test, ``"private"`` too if any."""
+    """``{size label: recall, ...}`` on the public-distribution test, ``"private"`` too if any;
+    after the last round also ``"vqa"`` (:func:`vqa_accuracy`), when ``vqa.enabled``."""
     public = recall_of(s.server_params, test["public"], [num_test // n for n in sizes])
     out = {size_label(n): r for n, r in zip(sizes, public, strict=True)}
     if "private" in test:
       out["private"] = recall_of(s.server_params, test["private"], [None])[0]
+    # The state's own round count says whether this is the final server, so a rerun of a
+    # finished run (the loop evaluates it anew) gets its VQA entry too.
+    if qa is not None and int(s.round) == config.rounds:
+      out["vqa"] = vqa_accuracy(config, server.graphdef, s.server_params, qa)
     return out
 
   def nonfinite(out) -> list[str]:
@@ -543,7 +695,11 @@ def experiment(config) -> loop.Experiment:
       if m in evals:
         values[f"{m}/R@1_sum"] = r1_sum(evals[m], sizes)
         for test_name, recall in evals[m].items():
-          values |= {f"{m}/{test_name}/{k}": v for k, v in recall.items()}
+          if test_name != "vqa":
+            values |= {f"{m}/{test_name}/{k}": v for k, v in recall.items()}
+        if "vqa" in evals[m]:
+          values[f"{m}/vqa/accuracy"] = evals[m]["vqa"]["accuracy"]
+          values[f"{m}/vqa/blind_accuracy"] = evals[m]["vqa"]["blind_accuracy"]
     return [("creamfl", values)]
 
   def postfix(evals):
@@ -559,7 +715,9 @@ def experiment(config) -> loop.Experiment:
     nonfinite=nonfinite,
     scalars=scalars,
     runs=("creamfl",),
-    report=lambda outcome: _report(config, methods, outcome),
+    report=lambda outcome: _report(
+      config, methods, outcome, None if qa is None else _vqa_protocol(config, qa)
+    ),
     traffic=traffic,
     eval_every=config.eval_every,
     postfix=postfix,
@@ -597,6 +755,46 @@ def _protocol(config) -> dict[str, Any]:
   }
 
 
+def _vqa_protocol(config, qa: VqaData) -> dict[str, Any]:
+  """How the VQA analogue was run: scenes, questions per type, the head's training."""
+  test_types = np.bincount(np.asarray(qa.test["type"]), minlength=data.vqa.NUM_TYPES)
+  return {
+    "train_images": config.vqa.train_images,
+    "test_images": config.vqa.test_images,
+    "train_questions": int(qa.train["answer"].shape[0]),
+    "test_questions": int(qa.test["answer"].shape[0]),
+    "test_questions_per_type": dict(zip(data.vqa.QUESTION_TYPES, test_types.tolist(), strict=True)),
+    "shift": config.test.shift,
+    "answers": data.vqa.NUM_ANSWERS,
+    "templates": dict(data.vqa.TEMPLATES),
+    "features": config.vqa.features,
+    "head": {k: config.vqa[k] for k in ("hidden", "steps", "batch_size", "learning_rate")},
+  }
+
+
+def _vqa_table(methods, results) -> str:
+  """Table 2's analogue: each row's accuracy, its blind head's, and per question type."""
+  types = data.vqa.QUESTION_TYPES
+  rows = []
+  for m in methods:
+    r = results[m]["vqa"]
+    gain = r["accuracy"] - r["blind_accuracy"]
+    rows.append(
+      [m, r["accuracy"], r["blind_accuracy"], f"{gain:+.2f}", *(r["per_type"][t] for t in types)]
+    )
+  majority = results[methods[0]]["vqa"]
+  rows.append(
+    [
+      "majority answer per type",
+      majority["majority_accuracy"],
+      None,
+      "",
+      *(majority["majority_per_type"][t] for t in types),
+    ]
+  )
+  return report_lib.format_table(["method", "accuracy", "blind", "vs blind", *types], rows)
+
+
 def _describe_tests(config) -> str:
   sizes, num = tuple(config.test.sizes), max(config.test.sizes)
   c = data.WorldConfig().captions_per_image
@@ -617,8 +815,11 @@ def _describe_tests(config) -> str:
   )
 
 
-def _report(config, methods, outcome: loop.Outcome) -> loop.Report:
-  """CreamFL's Table 1 (one table per test size, R@1_sum over all), plus bytes per round."""
+def _report(
+  config, methods, outcome: loop.Outcome, vqa_protocol: Mapping[str, Any] | None = None
+) -> loop.Report:
+  """CreamFL's Table 1 (one table per test size, R@1_sum over all), plus bytes per round;
+  Table 2's analogue when ``vqa_protocol`` (the VQA analogue ran) is given."""
   results, rounds = outcome.final, config.rounds
   sizes = tuple(config.test.sizes)
   chance = _chance(config)
@@ -680,6 +881,28 @@ def _report(config, methods, outcome: loop.Outcome) -> loop.Report:
         private,
       )
     )
+  vqa_text = None
+  if vqa_protocol is not None:
+    p = vqa_protocol
+    vqa_text = _vqa_table(methods, results)
+    sections.append(
+      (
+        "Table 2 analogue (VQA accuracy %)",
+        vqa_text
+        + "\n\n"
+        + (
+          f"Each row's server frozen after {rounds} rounds; a fusion head (hidden {p['head']['hidden']}, "
+          f"{p['head']['steps']} Adam steps of {p['head']['batch_size']} questions, lr "
+          f"{p['head']['learning_rate']}) on its {p['features']} features, trained on "
+          f"{p['train_questions']} questions about {p['train_images']} scenes, tested on "
+          f"{p['test_questions']} questions about {p['test_images']} other scenes at shift "
+          f"{p['shift']}; top-1 exact-match accuracy over {p['answers']} answers. blind: the same "
+          "head without the image (question only); vs blind: accuracy minus blind; majority: "
+          "each type's most frequent training answer. Not VQA v2: template questions about "
+          "the embedded world's scenes (fedjax_mm.data.vqa)."
+        ),
+      )
+    )
   sections.append(("Curves", "![R@1_sum](curves.png)"))
   result = {
     "protocol": protocol,
@@ -695,9 +918,23 @@ def _report(config, methods, outcome: loop.Outcome) -> loop.Report:
   }
   if private is not None:
     result["private_recall"] = {m: results[m]["private"] for m in methods}
-  text = "\n\n".join(
-    [summary] + [f"{size_label(n)} test:\n{tables[size_label(n)]}" for n in sizes] + [description]
-  )
+  if vqa_protocol is not None:
+    first = results[methods[0]]["vqa"]
+    result["vqa"] = {
+      "protocol": dict(vqa_protocol),
+      "majority": {k: first[f"majority_{k}"] for k in ("accuracy", "per_type")},
+      "methods": {
+        m: {
+          k: results[m]["vqa"][k]
+          for k in ("accuracy", "per_type", "blind_accuracy", "blind_per_type")
+        }
+        for m in methods
+      },
+    }
+  parts = [summary] + [f"{size_label(n)} test:\n{tables[size_label(n)]}" for n in sizes]
+  if vqa_text is not None:
+    parts.append(f"VQA (Table 2 analogue), accuracy %:\n{vqa_text}")
+  text = "\n\n".join(parts + [description])
   return loop.Report(
     title="CreamFL and its variants: server image-text retrieval",
     sections=sections,
@@ -752,6 +989,22 @@ def summarize(workdirs) -> str:
     ]
     rows.append(["chance (random ranking)", *(f"{chance[label][k]:.2f}" for k in RECALL_KEYS)])
     parts.append(f"{label} test:\n" + report_lib.format_table(["method", *RECALL_KEYS], rows))
+  if all("vqa" in r for r in runs):  # Table 2's analogue (runs from before it have none)
+    types = data.vqa.QUESTION_TYPES
+    rows = []
+    for m in methods:
+      blocks = [r["vqa"]["methods"][m] for r in runs]
+      rows.append(
+        [m, cell([b["accuracy"] for b in blocks]), cell([b["blind_accuracy"] for b in blocks])]
+        + [cell([b["per_type"][t] for b in blocks]) for t in types]
+      )
+    majority = [r["vqa"]["majority"] for r in runs]
+    rows.append(
+      ["majority answer per type", cell([b["accuracy"] for b in majority]), ""]
+      + [cell([b["per_type"][t] for b in majority]) for t in types]
+    )
+    table = report_lib.format_table(["method", "accuracy", "blind", *types], rows)
+    parts.append("VQA (Table 2 analogue), accuracy %:\n" + table)
   seeds = ", ".join(str(r["seed"]) for r in runs)
   protocol = runs[0]["protocol"]
   return "\n\n".join(parts) + (

@@ -191,6 +191,12 @@ CREAMFL: dict[str, Range] = {
   "creamfl.muscle_tau_reduced": POSITIVE,
   "creamfl.gca_chunk_size": COUNT,
   "creamfl.public_batch_size": COUNT,
+  "vqa.train_images": COUNT,
+  "vqa.test_images": COUNT,
+  "vqa.steps": COUNT,
+  "vqa.batch_size": COUNT,
+  "vqa.learning_rate": POSITIVE,
+  "vqa.hidden": COUNT,
   **FAULTS,
 }
 
