@@ -48,6 +48,11 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 METHODS = ("fedmuscle", "local")
+#: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
+#: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
+#: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
+#: head; "full" trains every parameter. From scratch, every parameter trains.
+FINE_TUNE = ("adapters", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,12 @@ def validate(config) -> tuple[User, ...]:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
   if not isinstance(config.lora_rank, int) or config.lora_rank < 0:
     raise ConfigError(f"lora_rank must be an int >= 0, got {config.lora_rank!r}.")
+  for u in users:
+    if _fine_tune(config, config.users[u.index]) not in FINE_TUNE:
+      raise ConfigError(
+        f"{u.name}: fine_tune must be one of {', '.join(FINE_TUNE)}, "
+        f"got {_fine_tune(config, config.users[u.index])!r}."
+      )
   for u in users:
     checkpoint = _pretrained(config, config.users[u.index], u.encoder)
     if checkpoint:
@@ -161,9 +172,12 @@ def build(config):
     hf = models.hf.is_hf(u.encoder)  # weights from its folder, fine-tuned with LoRA
     lora_ok = hf or u.encoder in models.LORA_ENCODERS
     lora_rank = spec.get("lora_rank", config.lora_rank) if lora_ok else 0
+    # A pretrained base is frozen under "adapters" (LoRA where the encoder has
+    # dense layers; a CNN has none, so its projector and head train alone).
+    frozen_base = bool(checkpoint or hf) and _fine_tune(config, spec) == "adapters"
     model_config |= {
       "pretrained": None if hf else checkpoint,
-      "lora_rank": lora_rank if (checkpoint or hf) else 0,
+      "lora_rank": lora_rank if frozen_base else 0,
     }
     if hf:
       model_config["modality"] = "text" if input_key == "caption" else "image"
@@ -175,7 +189,7 @@ def build(config):
       task=core.Task(kind, input_key, target_key, outputs),
       key=jax.random.fold_in(root, u.index),
       num_clients=1,
-      trainable=models.trainable_filter(lora=model_config["lora_rank"] > 0),
+      trainable=models.trainable_filter(lora=frozen_base),
       local_epochs=config.local_epochs,
       batch_size=spec.get("batch_size", config.local_batch_size),
       client_map=validation.check_client_map(config),
@@ -194,6 +208,11 @@ def build(config):
     for u, g in zip(users, groups, strict=True)
   )
   return users, tuple(groups), tuple(states), tuple(train_data), tuple(test_data), public, trivial
+
+
+def _fine_tune(config, spec) -> str:
+  """How a pretrained user fine-tunes: a user's own ``fine_tune`` key wins."""
+  return spec.get("fine_tune", config.get("fine_tune", "adapters"))
 
 
 def _pretrained(config, spec, encoder: str) -> str | None:
