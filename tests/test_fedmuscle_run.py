@@ -24,6 +24,7 @@ CONFIG = "experiments/fedmuscle.py:smoke"
     ("--config.public.modalities=('text',)", "needs image in the public set"),
     ("--config.pretrained=nope", "no pretrained checkpoint 'nope/cnn_s'"),
     ("--config.lora_rank=-1", "lora_rank"),
+    ("--config.fine_tune=lora", "fine_tune must be one of adapters, full"),
   ],
 )
 def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, message):
@@ -99,28 +100,45 @@ def test_delta_leaves_out_users_whose_local_metric_is_zero():
   assert excluded == [0, 1] and value != value  # NaN: no user has a defined gain.
 
 
-def test_users_start_from_the_shipped_encoders_with_lora():
-  import numpy as np
+def _encoder_sources(state):
+  """(names of trained parameters, the encoder's frozen and trained values by name)."""
   from flax import nnx
+
+  trained = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state.params)}
+  frozen = {
+    ".".join(map(str, p[1:])): v[...]
+    for p, v in nnx.to_flat_state(state.shared)
+    if p[0] == "encoder"
+  }
+  trained_encoder = {  # Stacked over the group's one client.
+    ".".join(map(str, p[1:])): v[...][0]
+    for p, v in nnx.to_flat_state(state.params)
+    if p[0] == "encoder"
+  }
+  return trained, frozen, trained_encoder
+
+
+@pytest.mark.parametrize("fine_tune", ["adapters", "full"])
+def test_users_start_from_the_shipped_encoders(fine_tune):
+  import numpy as np
 
   from fedjax_mm import models
 
   config = fedmuscle_config.get_config("smoke")
+  config.fine_tune = fine_tune
   users, _, states, *_ = runner.build(config)
+  assert {u.encoder for u in users} - models.LORA_ENCODERS  # a CNN among them
   for u, state in zip(users, states, strict=True):
     shipped = models.pretrained.read_tensors(f"world-clip/{u.encoder}")
-    trained = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state.params)}
-    frozen = dict(nnx.to_flat_state(state.shared))
-    if u.encoder in models.LORA_ENCODERS:  # Base weights frozen and shared; adapters train.
-      assert any("lora" in p for p in trained)
+    trained, frozen, trained_encoder = _encoder_sources(state)
+    if fine_tune == "adapters":  # Base weights frozen and shared; adapters (if any) train.
       assert not any(p.startswith("encoder") and "lora" not in p for p in trained)
-      source = {".".join(map(str, p[1:])): v[...] for p, v in frozen.items() if p[0] == "encoder"}
-    else:  # A CNN has nothing to adapt: the whole encoder trains, from the shipped weights.
-      source = {
-        ".".join(map(str, p[1:])): v[...][0]
-        for p, v in nnx.to_flat_state(state.params)
-        if p[0] == "encoder"
-      }
+      assert any("lora" in p for p in trained) == (u.encoder in models.LORA_ENCODERS)
+      assert any(p.startswith(("projector", "head")) for p in trained)
+      source = frozen
+    else:  # Every parameter trains, from the shipped weights.
+      assert not frozen and not any("lora" in p for p in trained)
+      source = trained_encoder
     shipped.pop("projection.kernel")
     assert source.keys() == shipped.keys()
     for name, value in shipped.items():

@@ -229,4 +229,7 @@ def test_one_pair_of_the_default_config_can_be_pretrained_alone():
   config = pretrain_config.get_config()
   config.pairs = (("cnn_m", "transformer_t"),)
   assert pretrain.validate(config) == [("cnn_m", "transformer_t")]
-  assert pretrain.epochs_for(config, "cnn_m") == config.default_epochs
+  assert pretrain.epochs_for(config, "cnn_m") == config.epochs.cnn_m == 12
+  config.pairs = (("resnet_t", "transformer_t"),)  # no epochs of its own
+  assert pretrain.validate(config) == [("resnet_t", "transformer_t")]
+  assert pretrain.epochs_for(config, "resnet_t") == config.default_epochs
