@@ -293,3 +293,14 @@ def test_report_has_a_column_and_a_delta_per_method():
   assert report.results["delta_excluded_users"] == ["user 3"]
   header = report.text.splitlines()[0]
   assert all(name in header for name in ("FedMuscle (muscle)", "FedDF", "FedHeNN", "FedRCL"))
+
+
+def test_baseline_bytes_count_only_users_with_a_partner():
+  config, users, _, states, *_ = _build()
+  sent = runner._baseline_bytes(config, runner.METHODS, users, states)
+  params = [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.params)) for s in states]
+  up, down = sent["feddf"]  # IC10 users 2, 4 and 5 distil together
+  np.testing.assert_array_equal(up, [0, params[1], 0, params[3], params[4]])
+  np.testing.assert_array_equal(down, up)
+  np.testing.assert_array_equal(sent["fedrcl"][0], [0, 0, 0, params[3], params[4]])
+  np.testing.assert_array_equal(sent["fedhenn"][0], [4 * 8 * 8] * 5)  # an 8 x 8 float32 kernel

@@ -53,6 +53,12 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
 }
 #: Every method ``config.methods`` may name, in the report's column order.
 METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "local")
+#: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
+BYTES_NOTE = (
+  "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
+  "trained parameters up and the fused ones down, for users that have a partner to average "
+  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way."
+)
 #: What ``config.methods`` runs when the config has no such key.
 DEFAULT_METHODS = ("fedmuscle", "local")
 #: The metrics.jsonl keys of per-user losses a method's round reports (``<user>/<key>``).
@@ -316,6 +322,34 @@ def algorithms(config, users, groups) -> dict[str, Any]:
   return {m: make[m]() for m in methods_of(config)}
 
 
+def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
+
+  * FedDF: a user with a partner (another user of its task) uploads its trained
+    parameters and downloads its prototype's distilled ones; a user alone in its
+    task sends nothing.
+  * FedRCL: a user with another user of its task and architecture uploads and
+    downloads its parameters; a user alone in its class sends nothing (its
+    average would be itself).
+  * FedHeNN: every user uploads its ``[R, R]`` float32 kernel of the alignment
+    set and downloads the server's ``K_bar``, of the same size.
+  """
+  params = np.array([ledger_lib.tree_bytes(s.params) for s in states], np.int64)  # K = 1 each
+  tasks = [u.task for u in users]
+  archs = [json.dumps(_model_config(config, u), sort_keys=True) for u in users]
+  partner = np.array([tasks.count(t) > 1 for t in tasks])
+  same_class = list(zip(tasks, archs, strict=True))
+  classmate = np.array([same_class.count(c) > 1 for c in same_class])
+  rad = _baseline_config(config, "fedhenn").get("rad_size", fedhenn.FedHeNNConfig.rad_size)
+  kernel = np.full(len(users), 4 * rad * rad, np.int64)
+  out = {
+    "feddf": (params * partner, params * partner),
+    "fedrcl": (params * classmate, params * classmate),
+    "fedhenn": (kernel, kernel),
+  }
+  return {m: v for m, v in out.items() if m in methods}
+
+
 def experiment(config) -> loop.Experiment:
   """Every method of ``config.methods`` side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
 
@@ -323,8 +357,9 @@ def experiment(config) -> loop.Experiment:
   their input) and the same round keys, so the methods that read the public
   set read it in the same order; each round is one jitted call per method.
   After every round every user is evaluated on its own test set and each
-  method's Delta against local training is logged; only FedMuscle's traffic
-  is counted in the ledger (the downlink that ran).
+  method's Delta against local training is logged; each method's bytes go to
+  its own ledger (FedMuscle: the downlink that ran; the baselines:
+  :func:`_baseline_bytes`).
   """
   users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
   mc = _muscle_config(config)
@@ -361,7 +396,11 @@ def experiment(config) -> loop.Experiment:
     ]
 
   traffic = _bytes_per_round(config, config.public.size // mc.batch_size)
-  sent = (np.full(len(users), traffic["up"]), np.full(len(users), traffic[f"down_{mc.downlink}"]))
+  sent = _baseline_bytes(config, methods, users, states)
+  sent["fedmuscle"] = (
+    np.full(len(users), traffic["up"]),
+    np.full(len(users), traffic[f"down_{mc.downlink}"]),
+  )
 
   def scalars(r, outs, evals):
     rows = []
@@ -392,7 +431,7 @@ def experiment(config) -> loop.Experiment:
     scalars=scalars,
     runs=methods,
     report=lambda outcome: _report(config, methods, users, groups, traffic, trivial, outcome),
-    traffic=lambda name, out: sent if name == "fedmuscle" else None,
+    traffic=lambda name, out: sent.get(name),
     postfix=postfix,
   )
 
@@ -528,6 +567,23 @@ def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outc
   }
   if "fedmuscle" in methods:
     result |= {"delta": deltas["fedmuscle"], "traffic_per_round": traffic, "traffic_total": totals}
+  by_method = {
+    m: {"up": int(outcome.ledgers[m].total_up), "down": int(outcome.ledgers[m].total_down)}
+    for m in others
+    if m in outcome.ledgers
+  }
+  if set(by_method) - {"fedmuscle"}:
+    result["traffic_total_by_method"] = by_method
+    bytes_table = report_lib.format_table(
+      ["method", "all users, all rounds: up / down"],
+      [
+        [
+          label(config, m),
+          f"{ledger_lib.format_bytes(t['up'])} / {ledger_lib.format_bytes(t['down'])}",
+        ]
+        for m, t in by_method.items()
+      ],
+    )
   sections = [
     ("Result", summary),
     ("Per user (metric in %; trivial: majority class / every label present)", table),
@@ -538,6 +594,8 @@ def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outc
     sections.append(
       ("Communication", sections_traffic + "\n\n" + _downlink_note(config.muscle.downlink))
     )
+  if "traffic_total_by_method" in result:
+    sections.append(("Communication of every method (ledgers)", bytes_table + "\n\n" + BYTES_NOTE))
   title = (
     "FedMuscle vs local training"
     if list(methods) == ["fedmuscle", "local"]
