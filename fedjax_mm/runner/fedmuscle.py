@@ -53,6 +53,8 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
 }
 #: Every method ``config.methods`` may name, in the report's column order.
 METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "local")
+#: The report's names of the methods (FedMuscle's adds its loss).
+LABELS = {"feddf": "FedDF", "fedhenn": "FedHeNN", "fedrcl": "FedRCL", "local": "local"}
 #: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
 BYTES_NOTE = (
   "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
@@ -294,8 +296,9 @@ def _baseline_config(config, name: str) -> dict[str, Any]:
 
 def label(config, method: str) -> str:
   """A method's name in the report."""
-  names = {"fedmuscle": f"FedMuscle ({config.muscle.loss})", "feddf": "FedDF", "fedhenn": "FedHeNN"}
-  return names.get(method, {"fedrcl": "FedRCL", "local": "local"}.get(method, method))
+  if method == "fedmuscle":
+    return f"FedMuscle ({config.muscle.loss})"
+  return LABELS.get(method, method)
 
 
 def algorithms(config, users, groups) -> dict[str, Any]:
@@ -528,11 +531,13 @@ def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outc
     )
   wall, start_round = outcome.wall_time_s, outcome.resumed_at
   counted = f"over {len(users) - len(excluded)} of {len(users)} users after {config.rounds} rounds"
-  settings = (
-    f"(M={config.muscle.num_partners}, B={config.muscle.batch_size}, T={config.muscle.cl_epochs}, "
-    f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, "
-    f"downlink={config.muscle.downlink})"
-  )
+  settings = f"(E={config.local_epochs}, d={config.rep_dim})"
+  if "fedmuscle" in methods:
+    settings = (
+      f"(M={config.muscle.num_partners}, B={config.muscle.batch_size}, T={config.muscle.cl_epochs}, "
+      f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, "
+      f"downlink={config.muscle.downlink})"
+    )
   if single:
     lead = f"Delta = {report_lib.percent(deltas[others[0]])}"
     if others[0] != "fedmuscle":
