@@ -234,10 +234,11 @@ def test_fedhenn_distances_are_cka_to_the_mean_kernel():
   round_key = jax.random.fold_in(jax.random.key(7), 0)
   batches, _ = public_batches(jax.random.fold_in(round_key, 0), public, size)
   rad = jax.tree.map(lambda x: x[0], batches)
-  z = [
-    np.asarray(fedhenn.representations(g, s.params, s.shared, g.task.inputs(rad)))[0]
+  represent = lambda states: [  # one compile for every user (op by op is slower)
+    fedhenn.representations(g, s.params, s.shared, g.task.inputs(rad))[0]
     for g, s in zip(groups, states, strict=True)
   ]
+  z = [np.asarray(x) for x in jax.jit(represent)(states)]
   h = np.eye(size) - np.ones((size, size)) / size
   hsic = lambda k, l: np.trace(k @ h @ l @ h)
   mean = sum(x @ x.T for x in z) / len(z)  # K_bar: every user's kernel, uniformly
