@@ -159,7 +159,7 @@ def get_config(arg=None):
   # Methods run side by side from identical initial states, each a column of the table
   # with its Delta against local training (which must be listed): fedmuscle (with
   # muscle.loss), the Table 1 baselines feddf, fedhenn, fedrcl, and local. A comma string
-  # (--config.methods=fedmuscle,feddf,fedhenn,fedrcl,local) or a tuple.
+  # (--config.methods=fedmuscle,feddf,fedhenn,fedrcl,local); a tuple's repr parses too.
   config.methods = "fedmuscle,local"
   # The baselines' own settings (fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py); FedDF
   # distils over the public set in FedMuscle's batches (muscle.batch_size).
