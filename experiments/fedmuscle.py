@@ -25,6 +25,15 @@ DistilBERT, every caption re-tokenised with its WordPiece tokenizer;
 ``:smoke`` is tiny (used by the tests). Override
 anything with ``--config.muscle.loss=pairwise`` etc.
 
+Table 1's baselines run beside FedMuscle, every method from the same initial
+models, one column each with its Delta against local training::
+
+  python -m experiments.main --config=experiments/fedmuscle.py \
+    --config.methods=fedmuscle,feddf,fedhenn,fedrcl,local
+
+(FedDF, FedHeNN, FedRCL: ``fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py``,
+each docstring lists its adaptations; their settings are ``config.baselines``.)
+
 ``:paper_setup1`` / ``:paper_setup2`` are the paper's Setup1 / Setup2 as its
 Sec. 6 and Apps. G-H state them: 6 (10) users with ViT-Base / -Small / -Large
 (MLC), ViT-Base / -Small (IC100), ViT-Tiny (IC10), plus SegFormer-B0 / -B1 (SS)
@@ -155,6 +164,21 @@ def get_config(arg=None):
     }
   )
 
+  # Methods run side by side from identical initial states, each a column of the table
+  # with its Delta against local training (which must be listed): fedmuscle (with
+  # muscle.loss), the Table 1 baselines feddf, fedhenn, fedrcl, and local. A comma string
+  # (--config.methods=fedmuscle,feddf,fedhenn,fedrcl,local); a tuple's repr parses too.
+  config.methods = "fedmuscle,local"
+  # The baselines' own settings (fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py); FedDF
+  # distils over the public set in FedMuscle's batches (muscle.batch_size).
+  config.baselines = ml_collections.ConfigDict(
+    {
+      "feddf": {"distill_epochs": 1, "temperature": 1.0},
+      "fedhenn": {"eta": 1.0, "rad_size": 32},
+      "fedrcl": {"tau": 0.05, "threshold": 0.7, "beta": 1.0, "weight": 1.0, "min_jaccard": 0.5},
+    }
+  )
+
   config.faults = faults_config()  # experiments/faults.py: all off
 
   if arg in ("setup2", "setup2_minilm"):
@@ -179,6 +203,7 @@ def get_config(arg=None):
     config.public.size = 16
     config.muscle.num_partners = 2
     config.muscle.batch_size = 8
+    config.baselines.fedhenn.rad_size = 8
   elif arg in ("paper_setup1", "paper_setup2"):
     _paper(config, int(arg[-1]))
   elif arg is not None:

@@ -8,7 +8,7 @@ state; ``round`` is traceable and is jitted once, at the top, by the caller
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,3 +44,35 @@ class FederatedState:
     """Client state split over ``mesh``'s ``clients`` axis, the rest replicated."""
     server_part = replicate((self.round, self.rng), mesh)
     return FederatedState(*server_part, groups=tuple(g.place(mesh) for g in self.groups))
+
+
+def classes_of(keys: Sequence[Hashable]) -> tuple[int, ...]:
+  """A class id per entry: equal keys share one (ids in order of first appearance).
+
+  Examples:
+    >>> classes_of([("mlc", "vit_s"), ("ic10", "vit_t"), ("mlc", "vit_s")])
+    (0, 1, 0)
+  """
+  ids: dict[Hashable, int] = {}
+  return tuple(ids.setdefault(k, len(ids)) for k in keys)
+
+
+def check_same_shapes(states: Sequence[ClientState], classes: Sequence[int]) -> None:
+  """Raises ``ValueError`` unless groups of one class have identical parameter trees.
+
+  Parameter averaging across groups (:func:`fedjax_mm.server.average_within_classes`)
+  needs the same architecture: the same tree, leaf shapes (client axis aside)
+  and dtypes.
+  """
+  first: dict[int, tuple[int, Any]] = {}
+  for g, (state, c) in enumerate(zip(states, classes, strict=True)):
+    spec = jax.tree.map(lambda x: (x.shape[1:], x.dtype), state.params)
+    if c not in first:
+      first[c] = (g, spec)
+    elif jax.tree.structure(spec) != jax.tree.structure(first[c][1]) or jax.tree.leaves(
+      spec
+    ) != jax.tree.leaves(first[c][1]):
+      raise ValueError(
+        f"groups {first[c][0]} and {g} are averaged together but their parameters differ "
+        "in structure or shape: give them different architecture keys."
+      )

@@ -243,7 +243,7 @@ def _encode(group: GroupDef, fn, state: ClientState, inputs: Array):
   return jax.vjp(per_client, state.params)  # Forward once: keep the pullback.
 
 
-def _public_batches(key: Array, public: dict[str, Array], batch_size: int):
+def public_batches(key: Array, public: dict[str, Array], batch_size: int):
   """One epoch of the public set in a fresh order: ``[num_batches, B, ...]`` + keys."""
   num_public = jax.tree.leaves(public)[0].shape[0]
   num_batches = num_public // batch_size
@@ -371,7 +371,7 @@ def fedmuscle(
     carry = (tuple(new_groups), state.cl_opt_state)
     cl_losses = []
     for epoch in range(config.cl_epochs):
-      batches, keys = _public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
+      batches, keys = public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
       carry, batch_losses = jax.lax.scan(
         functools.partial(cl_batch, data=data, masks=masks), carry, (batches, keys)
       )

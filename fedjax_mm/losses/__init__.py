@@ -29,6 +29,15 @@ from fedjax_mm.losses.dscmr import (
   label_space_loss,
   mean_distance,
 )
+from fedjax_mm.losses.feddf import ensemble_distillation
+from fedjax_mm.losses.fedhenn import center_kernel, cka, cka_distance, linear_kernel
+from fedjax_mm.losses.fedrcl import (
+  divergence_penalty,
+  label_positives,
+  relaxed_contrastive_loss,
+  set_positives,
+  supervised_contrastive,
+)
 from fedjax_mm.losses.fedrgb import (
   dro_loss,
   guide_contrastive_loss,
@@ -53,12 +62,17 @@ from fedjax_mm.losses.muscle import (
 __all__ = [
   "DEFAULT_CHUNK_ELEMENTS",
   "MuscleTargets",
+  "center_kernel",
+  "cka",
+  "cka_distance",
   "consistency_loss",
   "cross_subspace_loss",
   "default_chunk_size",
   "discrimination_loss",
+  "divergence_penalty",
   "dro_loss",
   "dscmr_loss",
+  "ensemble_distillation",
   "fedscmr_loss",
   "fedscmr_terms",
   "gram_volumes",
@@ -68,7 +82,9 @@ __all__ = [
   "info_nce",
   "inter_modal_contrast",
   "intra_modal_contrast",
+  "label_positives",
   "label_space_loss",
+  "linear_kernel",
   "local_loss",
   "mean_distance",
   "muscle_client_loss",
@@ -79,7 +95,10 @@ __all__ = [
   "muscle_paper_targets",
   "muscle_server_targets",
   "pairwise_info_nce",
+  "relaxed_contrastive_loss",
   "representation_distance",
+  "set_positives",
+  "supervised_contrastive",
   "symmetric_info_nce",
   "task_loss",
 ]

@@ -2,15 +2,18 @@
 
 ``run(config, workdir)`` is what ``python -m experiments.main
 --config=experiments/fedmuscle.py`` calls: :func:`fedjax_mm.runner.loop.run`
-of :func:`experiment`, which trains FedMuscle and local training side by side,
-from the same initial models and the same data and seeds, for
-``config.rounds`` rounds (workdir, checkpoints, resume, NaN guard, ledger and
-the files written are the loop's). Each round is one jitted call per
-algorithm (compiled once); after every round every user is evaluated on its
-own test set. At the end it prints and writes the paper-style table (Table 1):
-per user its model, task, metric, FedMuscle, local training and the relative
-gain beside the trivial baseline, the overall Delta, the bytes each user sends
-and receives per round under both downlink protocols, and the wall time.
+of :func:`experiment`, which trains every method of ``config.methods``
+(default FedMuscle and local training; also the Table 1 baselines FedDF,
+FedHeNN and FedRCL, :data:`METHODS`) side by side, from the same initial
+models and the same data and seeds, for ``config.rounds`` rounds (workdir,
+checkpoints, resume, NaN guard, ledger and the files written are the loop's).
+Each round is one jitted call per method (compiled once); after every round
+every user is evaluated on its own test set. At the end it prints and writes
+the paper-style table (Table 1): per user its model, task, metric, one column
+per method (and the relative gain when a single method faces local training)
+beside the trivial baseline, each method's Delta against local training, the
+bytes each FedMuscle user sends and receives per round under both downlink
+protocols, and the wall time.
 
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
@@ -20,6 +23,7 @@ it and exits with status 2).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 from collections.abc import Sequence
@@ -31,7 +35,7 @@ import numpy as np
 import optax
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import fedmuscle, local_training
+from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl, local_training
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
@@ -47,7 +51,20 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "ss": ("segmentation", "image", "mask", data.NUM_SEG_CLASSES, "segmentation"),
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
-METHODS = ("fedmuscle", "local")
+#: Every method ``config.methods`` may name, in the report's column order.
+METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "local")
+#: The report's names of the methods (FedMuscle's adds its loss).
+LABELS = {"feddf": "FedDF", "fedhenn": "FedHeNN", "fedrcl": "FedRCL", "local": "local"}
+#: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
+BYTES_NOTE = (
+  "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
+  "trained parameters up and the fused ones down, for users that have a partner to average "
+  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way."
+)
+#: What ``config.methods`` runs when the config has no such key.
+DEFAULT_METHODS = ("fedmuscle", "local")
+#: The metrics.jsonl keys of per-user losses a method's round reports (``<user>/<key>``).
+USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance")
 #: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
 #: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
 #: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
@@ -68,11 +85,37 @@ class User:
     return f"user {self.index + 1}"
 
 
+def methods_of(config) -> tuple[str, ...]:
+  """``config.methods`` (a comma-separated string or a tuple) in report order, checked.
+
+  Raises :class:`ConfigError` for an unknown or repeated name, or a list
+  without ``local`` (every Delta is measured against it).
+  """
+  spec = config.get("methods", DEFAULT_METHODS) if hasattr(config, "get") else DEFAULT_METHODS
+  if isinstance(spec, str):  # "a,b" or a tuple's repr, "('a', 'b')"
+    spec = spec.strip("()[] ").split(",")
+  names = [str(m).strip().strip("'\"") for m in spec]
+  names = [m for m in names if m]
+  unknown = [m for m in names if m not in METHODS]
+  if unknown:
+    raise ConfigError(f"methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}.")
+  if len(set(names)) != len(names):
+    raise ConfigError("methods: a method is listed twice.")
+  if "local" not in names or len(names) < 2:
+    raise ConfigError(
+      "methods must include local and at least one other method (Delta is measured against local)."
+    )
+  return tuple(m for m in METHODS if m in names)
+
+
 def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDMUSCLE)
   validation.check_client_map(config)
-  validation.check_faults(config)
+  faults = validation.check_faults(config)
+  methods = methods_of(config)
+  if faults.enabled and set(methods) - {"fedmuscle", "local"}:
+    raise ConfigError("faults are simulated for fedmuscle (and local) only; drop the baselines.")
   users = tuple(User(i, u["encoder"], u["task"]) for i, u in enumerate(config.users))
   if len(users) < 2:
     raise ConfigError(f"FedMuscle needs at least 2 users, the config has {len(users)}.")
@@ -93,6 +136,12 @@ def validate(config) -> tuple[User, ...]:
   if config.public.size < config.muscle.batch_size:
     raise ConfigError(
       f"public.size ({config.public.size}) is smaller than one batch (muscle.batch_size={config.muscle.batch_size})."
+    )
+  rad_size = _baseline_config(config, "fedhenn").get("rad_size", fedhenn.FedHeNNConfig.rad_size)
+  if "fedhenn" in methods and config.public.size < rad_size:
+    raise ConfigError(
+      f"public.size ({config.public.size}) is smaller than FedHeNN's alignment set "
+      f"(baselines.fedhenn.rad_size={rad_size})."
     )
   if config.rounds < 1:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
@@ -158,29 +207,10 @@ def build(config):
   root = jax.random.key(config.seed)
   groups, states, train_data, test_data = [], [], [], []
   for u in users:
-    kind, input_key, target_key, outputs, head = TASKS[u.task]
+    kind, input_key, target_key, outputs, _ = TASKS[u.task]
     spec = config.users[u.index]
-    model_config = {
-      "encoder": u.encoder,
-      "head": head,
-      "num_outputs": outputs,
-      "rep_dim": config.rep_dim,
-    }
-    if input_key == "caption":
-      model_config |= {"vocab_size": data.VOCAB_SIZE, "max_len": data.WorldConfig().max_caption_len}
-    checkpoint = _pretrained(config, spec, u.encoder)
-    hf = models.hf.is_hf(u.encoder)  # weights from its folder, fine-tuned with LoRA
-    lora_ok = hf or u.encoder in models.LORA_ENCODERS
-    lora_rank = spec.get("lora_rank", config.lora_rank) if lora_ok else 0
-    # A pretrained base is frozen under "adapters" (LoRA where the encoder has
-    # dense layers; a CNN has none, so its projector and head train alone).
-    frozen_base = bool(checkpoint or hf) and _fine_tune(config, spec) == "adapters"
-    model_config |= {
-      "pretrained": None if hf else checkpoint,
-      "lora_rank": lora_rank if frozen_base else 0,
-    }
-    if hf:
-      model_config["modality"] = "text" if input_key == "caption" else "image"
+    model_config = _model_config(config, u)
+    frozen_base = _frozen_base(config, u)
     tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     group, state = core.init_group(
       lambda rngs, c=model_config: models.build(c, rngs=rngs),
@@ -213,6 +243,47 @@ def build(config):
 def _fine_tune(config, spec) -> str:
   """How a pretrained user fine-tunes: a user's own ``fine_tune`` key wins."""
   return spec.get("fine_tune", config.get("fine_tune", "adapters"))
+
+
+def _frozen_base(config, u: User) -> bool:
+  """Whether a user's encoder base stays frozen: pretrained, fine-tuned with "adapters".
+
+  LoRA adapters train where the encoder has dense layers; a CNN has none, so
+  its projector and head train alone.
+  """
+  spec = config.users[u.index]
+  pretrained = bool(_pretrained(config, spec, u.encoder)) or models.hf.is_hf(u.encoder)
+  return pretrained and _fine_tune(config, spec) == "adapters"
+
+
+def _architecture(config, u: User) -> str:
+  """A user's model config and frozen base as one string: equal strings, equal parameter trees."""
+  return json.dumps(_model_config(config, u) | {"frozen_base": _frozen_base(config, u)}, sort_keys=True)
+
+
+def _model_config(config, u: User) -> dict[str, Any]:
+  """The :func:`fedjax_mm.models.build` config of a user's model (its architecture)."""
+  _, input_key, _, outputs, head = TASKS[u.task]
+  spec = config.users[u.index]
+  model_config = {
+    "encoder": u.encoder,
+    "head": head,
+    "num_outputs": outputs,
+    "rep_dim": config.rep_dim,
+  }
+  if input_key == "caption":
+    model_config |= {"vocab_size": data.VOCAB_SIZE, "max_len": data.WorldConfig().max_caption_len}
+  checkpoint = _pretrained(config, spec, u.encoder)
+  hf = models.hf.is_hf(u.encoder)  # weights from its folder, fine-tuned with LoRA
+  lora_ok = hf or u.encoder in models.LORA_ENCODERS
+  lora_rank = spec.get("lora_rank", config.lora_rank) if lora_ok else 0
+  model_config |= {
+    "pretrained": None if hf else checkpoint,
+    "lora_rank": lora_rank if _frozen_base(config, u) else 0,
+  }
+  if hf:
+    model_config["modality"] = "text" if input_key == "caption" else "image"
+  return model_config
 
 
 def _pretrained(config, spec, encoder: str) -> str | None:
@@ -248,30 +319,100 @@ def _bytes_per_round(config, num_batches: int) -> dict[str, int]:
   return out
 
 
-def experiment(config) -> loop.Experiment:
-  """FedMuscle and local training side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
+def _baseline_config(config, name: str) -> dict[str, Any]:
+  """``config.baselines.<name>`` as keyword arguments (empty for configs without the block)."""
+  block = config.get("baselines") if hasattr(config, "get") else None
+  if block is None or name not in block:
+    return {}
+  return dict(block[name].to_dict() if hasattr(block[name], "to_dict") else block[name])
 
-  Both start from identical initial states (each owns a copy: rounds donate
-  their input); each round is one jitted call per algorithm. After every round
-  every user is evaluated on its own test set; only FedMuscle's users send
-  (the ledger counts the downlink that ran).
+
+def label(config, method: str) -> str:
+  """A method's name in the report."""
+  if method == "fedmuscle":
+    return f"FedMuscle ({config.muscle.loss})"
+  return LABELS.get(method, method)
+
+
+def algorithms(config, users, groups) -> dict[str, Any]:
+  """Every method of ``config.methods`` built on the users' groups, in report order."""
+  mc = _muscle_config(config)
+  # Averaging needs the same architecture: the full model config (encoder, head, LoRA rank,
+  # checkpoint) and what trains, so two users average only when their parameter trees are
+  # the same.
+  archs = tuple(_architecture(config, u) for u in users)
+  make = {
+    "fedmuscle": lambda: fedmuscle.fedmuscle(groups, mc, faults=validation.check_faults(config)),
+    "feddf": lambda: feddf.feddf(
+      groups,
+      feddf.FedDFConfig(batch_size=mc.batch_size, **_baseline_config(config, "feddf")),
+      architectures=archs,
+    ),
+    "fedhenn": lambda: fedhenn.fedhenn(
+      groups, fedhenn.FedHeNNConfig(**_baseline_config(config, "fedhenn"))
+    ),
+    "fedrcl": lambda: fedrcl.fedrcl(
+      groups, fedrcl.FedRCLConfig(**_baseline_config(config, "fedrcl")), architectures=archs
+    ),
+    "local": lambda: local_training(groups),
+  }
+  return {m: make[m]() for m in methods_of(config)}
+
+
+def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
+
+  * FedDF: a user with a partner (another user of its task) uploads its trained
+    parameters and downloads its prototype's distilled ones; a user alone in its
+    task sends nothing.
+  * FedRCL: a user with another user of its task and architecture uploads and
+    downloads its parameters; a user alone in its class sends nothing (its
+    average would be itself).
+  * FedHeNN: every user uploads its ``[R, R]`` float32 kernel of the alignment
+    set and downloads the server's ``K_bar``, of the same size.
+  """
+  params = np.array([ledger_lib.tree_bytes(s.params) for s in states], np.int64)  # K = 1 each
+  tasks = [u.task for u in users]
+  archs = [_architecture(config, u) for u in users]
+  partner = np.array([tasks.count(t) > 1 for t in tasks])
+  same_class = list(zip(tasks, archs, strict=True))
+  classmate = np.array([same_class.count(c) > 1 for c in same_class])
+  rad = _baseline_config(config, "fedhenn").get("rad_size", fedhenn.FedHeNNConfig.rad_size)
+  kernel = np.full(len(users), 4 * rad * rad, np.int64)
+  out = {
+    "feddf": (params * partner, params * partner),
+    "fedrcl": (params * classmate, params * classmate),
+    "fedhenn": (kernel, kernel),
+  }
+  return {m: v for m, v in out.items() if m in methods}
+
+
+def experiment(config) -> loop.Experiment:
+  """Every method of ``config.methods`` side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
+
+  All start from identical initial states (each owns a copy: rounds donate
+  their input) and the same round keys, so the methods that read the public
+  set read it in the same order; each round is one jitted call per method.
+  After every round every user is evaluated on its own test set and each
+  method's Delta against local training is logged; each method's bytes go to
+  its own ledger (FedMuscle: the downlink that ran; the baselines:
+  :func:`_baseline_bytes`).
   """
   users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
   mc = _muscle_config(config)
   mesh = core.local_mesh()
-  faults = validation.check_faults(config)
-  algs = {
-    "fedmuscle": fedmuscle.fedmuscle(groups, mc, faults=faults),
-    "local": local_training(groups),
-  }
+  algs = algorithms(config, users, groups)
+  methods = tuple(algs)
+  others = tuple(m for m in methods if m != "local")
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
 
   def step(name):
-    inputs = (train_data, public) if name == "fedmuscle" else (train_data,)
+    inputs = (train_data,) if name == "local" else (train_data, public)
 
     def fn(s):
       s, stats = algs[name].round(s, *inputs)
-      out = {"finite": _finite_per_user(s), "cl_loss": stats.get("cl_loss")}
+      out = {"finite": _finite_per_user(s)}
+      out |= {k: stats[k] for k in USER_LOSSES if stats.get(k) is not None}
       if "fault_counts" in stats:
         out["fault_counts"] = stats["fault_counts"]
       return s, out
@@ -292,34 +433,43 @@ def experiment(config) -> loop.Experiment:
     ]
 
   traffic = _bytes_per_round(config, config.public.size // mc.batch_size)
-  sent = (np.full(len(users), traffic["up"]), np.full(len(users), traffic[f"down_{mc.downlink}"]))
+  sent = _baseline_bytes(config, methods, users, states)
+  sent["fedmuscle"] = (
+    np.full(len(users), traffic["up"]),
+    np.full(len(users), traffic[f"down_{mc.downlink}"]),
+  )
 
   def scalars(r, outs, evals):
     rows = []
-    for name in METHODS:
+    for name in methods:
       values = {
         f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(evals[name])
       }
-      if outs[name]["cl_loss"] is not None:
-        losses = np.asarray(outs[name]["cl_loss"])
-        values |= {f"{users[i].name}/cl_loss": float(v) for i, v in enumerate(losses)}
+      for key in USER_LOSSES:
+        if key in outs[name]:
+          losses = np.asarray(outs[name][key])
+          values |= {f"{users[i].name}/{key}": float(v) for i, v in enumerate(losses)}
       values |= _fault_scalars(outs[name])
       rows.append((name, values))
-    return rows + [("fedmuscle", {"delta": _delta(evals["fedmuscle"], evals["local"])[0]})]
+    return rows + [(m, {"delta": _delta(evals[m], evals["local"])[0]}) for m in others]
+
+  def postfix(evals):
+    deltas = {m: f"{100 * _delta(evals[m], evals['local'])[0]:+.1f}%" for m in others}
+    return {"delta": deltas[others[0]]} if len(others) == 1 else deltas
 
   return loop.Experiment(
     init=lambda: {
       name: jax.tree.map(jnp.copy, alg.init(states, init_key)).place(mesh)
       for name, alg in algs.items()
     },
-    methods={name: step(name) for name in METHODS},
+    methods={name: step(name) for name in methods},
     evaluate=evaluate,
     nonfinite=lambda out: [users[i].name for i in np.flatnonzero(~np.asarray(out["finite"]))],
     scalars=scalars,
-    runs=METHODS,
-    report=lambda outcome: _report(config, users, groups, traffic, trivial, outcome),
-    traffic=lambda name, out: sent if name == "fedmuscle" else None,
-    postfix=lambda evals: {"delta": f"{100 * _delta(evals['fedmuscle'], evals['local'])[0]:+.1f}%"},
+    runs=methods,
+    report=lambda outcome: _report(config, methods, users, groups, traffic, trivial, outcome),
+    traffic=lambda name, out: sent.get(name),
+    postfix=postfix,
   )
 
 
@@ -372,63 +522,66 @@ def _downlink_note(downlink: str) -> str:
   )
 
 
-def _report(config, users, groups, traffic, trivial, outcome: loop.Outcome) -> loop.Report:
-  """Table 1 of the paper for this run: per user, FedMuscle vs local training, Delta, bytes."""
+def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outcome) -> loop.Report:
+  """Table 1 of the paper for this run: per user, every method vs local training, Delta, bytes."""
   final, history = outcome.final, outcome.history
   fmt = report_lib.format_table
+  others = [m for m in methods if m != "local"]
+  single = len(others) == 1  # one method against local: a per-user gain column, as before
   rows = []
   for u, g in zip(users, groups, strict=True):
-    alg, loc = final["fedmuscle"][u.index], final["local"][u.index]
-    gain = (alg - loc) / loc if loc else math.nan
-    rows.append(
-      [
-        u.name,
-        u.encoder,
-        u.task,
-        g.task.metric_name,
-        100 * alg,
-        100 * loc,
-        report_lib.percent(gain) if loc else "n/a (local 0)",
-        100 * trivial[u.index],
-      ]
-    )
-  delta, excluded = _delta(final["fedmuscle"], final["local"])
-  table = fmt(
-    [
-      "user",
-      "model",
-      "task",
-      "metric",
-      f"FedMuscle ({config.muscle.loss})",
-      "local",
-      "gain",
-      "trivial",
-    ],
-    rows,
+    loc = final["local"][u.index]
+    row = [u.name, u.encoder, u.task, g.task.metric_name]
+    row += [100 * final[m][u.index] for m in others] + [100 * loc]
+    if single:
+      gain = (final[others[0]][u.index] - loc) / loc if loc else math.nan
+      row.append(report_lib.percent(gain) if loc else "n/a (local 0)")
+    rows.append(row + [100 * trivial[u.index]])
+  deltas = {m: _delta(final[m], final["local"])[0] for m in others}
+  excluded = _delta(final[others[0]], final["local"])[1]  # depends on local training only
+  headers = ["user", "model", "task", "metric", *(label(config, m) for m in others), "local"]
+  table = fmt(headers + (["gain"] if single else []) + ["trivial"], rows)
+  delta_table = fmt(
+    ["method", "Delta vs local"],
+    [[label(config, m), report_lib.percent(deltas[m])] for m in others],
   )
-  ledger = outcome.ledgers["fedmuscle"]
-  totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
-  mb = lambda n: ledger_lib.format_bytes(n)
-  traffic_table = fmt(
-    ["per user and round", "bytes"],
-    [
-      ["up (Z^n)", mb(traffic["up"])],
-      ["down, factored (Z^m/tau, -gamma G)", mb(traffic["down_factored"])],
-      ["down, paper (S^n, alpha^n)", mb(traffic["down_paper"])],
-      ["paper / factored", f"{traffic['down_paper'] / traffic['down_factored']:,.0f}x"],
+  sections_traffic, totals = None, None
+  if "fedmuscle" in methods:
+    ledger = outcome.ledgers["fedmuscle"]
+    totals = {"up": int(ledger.total_up), "down": int(ledger.total_down)}
+    mb = lambda n: ledger_lib.format_bytes(n)
+    sections_traffic = fmt(
+      ["per user and round", "bytes"],
       [
-        f"all users, all rounds, up / down ({config.muscle.downlink})",
-        f"{mb(totals['up'])} / {mb(totals['down'])}",
+        ["up (Z^n)", mb(traffic["up"])],
+        ["down, factored (Z^m/tau, -gamma G)", mb(traffic["down_factored"])],
+        ["down, paper (S^n, alpha^n)", mb(traffic["down_paper"])],
+        ["paper / factored", f"{traffic['down_paper'] / traffic['down_factored']:,.0f}x"],
+        [
+          f"all users, all rounds, up / down ({config.muscle.downlink})",
+          f"{mb(totals['up'])} / {mb(totals['down'])}",
+        ],
       ],
-    ],
-  )
+    )
   wall, start_round = outcome.wall_time_s, outcome.resumed_at
-  summary = (
-    f"Delta = {report_lib.percent(delta)} over {len(users) - len(excluded)} of {len(users)} users "
-    f"after {config.rounds} rounds "
-    f"(M={config.muscle.num_partners}, B={config.muscle.batch_size}, T={config.muscle.cl_epochs}, "
-    f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, downlink={config.muscle.downlink}); "
-    f"wall time {wall:.0f} s" + (f" (resumed at round {start_round})" if start_round else "")
+  counted = f"over {len(users) - len(excluded)} of {len(users)} users after {config.rounds} rounds"
+  settings = f"(E={config.local_epochs}, d={config.rep_dim})"
+  if "fedmuscle" in methods:
+    settings = (
+      f"(M={config.muscle.num_partners}, B={config.muscle.batch_size}, T={config.muscle.cl_epochs}, "
+      f"E={config.local_epochs}, d={config.rep_dim}, loss={config.muscle.loss}, "
+      f"downlink={config.muscle.downlink})"
+    )
+  if single:
+    lead = f"Delta = {report_lib.percent(deltas[others[0]])}"
+    if others[0] != "fedmuscle":
+      lead = f"{label(config, others[0])}: {lead}"
+  else:
+    lead = "Delta = " + ", ".join(
+      f"{report_lib.percent(deltas[m])} ({label(config, m)})" for m in others
+    )
+  summary = f"{lead} {counted} {settings}; wall time {wall:.0f} s" + (
+    f" (resumed at round {start_round})" if start_round else ""
   )
   if excluded:
     names = ", ".join(users[i].name for i in excluded)
@@ -438,37 +591,76 @@ def _report(config, users, groups, traffic, trivial, outcome: loop.Outcome) -> l
   )
   series = {
     f"{u.name} ({u.encoder}/{u.task})": {
-      "FedMuscle": curve("fedmuscle", u),
-      "local": curve("local", u),
+      ("FedMuscle" if m == "fedmuscle" else label(config, m)): curve(m, u) for m in methods
     }
     for u in users
   }
   result = {
-    "delta": delta,
+    "methods": list(methods),
+    "deltas": deltas,
     "delta_excluded_users": [users[i].name for i in excluded],
-    "fedmuscle": final["fedmuscle"],
-    "local": final["local"],
+    **{m: final[m] for m in methods},
     "trivial": list(trivial),
-    "traffic_per_round": traffic,
-    "traffic_total": totals,
     "rounds": config.rounds,
     "wall_time_s": wall,
   }
+  if "fedmuscle" in methods:
+    result |= {"delta": deltas["fedmuscle"], "traffic_per_round": traffic, "traffic_total": totals}
+  by_method = {
+    m: {"up": int(outcome.ledgers[m].total_up), "down": int(outcome.ledgers[m].total_down)}
+    for m in others
+    if m in outcome.ledgers
+  }
+  if set(by_method) - {"fedmuscle"}:
+    result["traffic_total_by_method"] = by_method
+    bytes_table = report_lib.format_table(
+      ["method", "all users, all rounds: up / down"],
+      [
+        [
+          label(config, m),
+          f"{ledger_lib.format_bytes(t['up'])} / {ledger_lib.format_bytes(t['down'])}",
+        ]
+        for m, t in by_method.items()
+      ],
+    )
+  sections = [
+    ("Result", summary),
+    ("Per user (metric in %; trivial: majority class / every label present)", table),
+  ]
+  if not single:
+    sections.append(("Delta against local training", delta_table))
+  if sections_traffic is not None:
+    sections.append(
+      ("Communication", sections_traffic + "\n\n" + _downlink_note(config.muscle.downlink))
+    )
+  if "traffic_total_by_method" in result:
+    sections.append(("Communication of every method (ledgers)", bytes_table + "\n\n" + BYTES_NOTE))
+  title = (
+    "FedMuscle vs local training"
+    if list(methods) == ["fedmuscle", "local"]
+    else (", ".join(label(config, m) for m in others) + " vs local training")
+  )
+  text = "\n\n".join(
+    [table]
+    + ([] if single else [delta_table])
+    + ([sections_traffic] if sections_traffic else [])
+    + [summary]
+  )
   return loop.Report(
-    title="FedMuscle vs local training",
-    sections=[
-      ("Result", summary),
-      ("Per user (metric in %; trivial: majority class / every label present)", table),
-      ("Communication", traffic_table + "\n\n" + _downlink_note(config.muscle.downlink)),
-    ],
+    title=title,
+    sections=sections,
     plots={
       "metrics.png": loop.Curves(series, "Test metric per round", "metric"),
       "delta.png": loop.Curves(
-        {"Delta": {"FedMuscle vs local": metric_series(history, "delta", run="fedmuscle")}},
+        {
+          "Delta": {
+            f"{label(config, m)} vs local": metric_series(history, "delta", run=m) for m in others
+          }
+        },
         "Delta per round",
         "Delta",
       ),
     },
     results=result,
-    text=table + "\n\n" + traffic_table + "\n\n" + summary,
+    text=text,
   )

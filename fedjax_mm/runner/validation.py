@@ -149,6 +149,15 @@ FEDMUSCLE: dict[str, Range] = {
   "muscle.tau_full": POSITIVE,
   "muscle.tau_reduced": POSITIVE,
   "muscle.chunk_size": COUNT,
+  "baselines.feddf.distill_epochs": COUNT,
+  "baselines.feddf.temperature": POSITIVE,
+  "baselines.fedhenn.eta": NON_NEGATIVE,
+  "baselines.fedhenn.rad_size": Range(2, integer=True),
+  "baselines.fedrcl.tau": POSITIVE,
+  "baselines.fedrcl.threshold": Range(-1, 1),
+  "baselines.fedrcl.beta": NON_NEGATIVE,
+  "baselines.fedrcl.weight": NON_NEGATIVE,
+  "baselines.fedrcl.min_jaccard": FRACTION,
   **FAULTS,
 }
 

@@ -1,6 +1,7 @@
 """Pure server transforms of stacked client updates and representations."""
 
 from fedjax_mm.server.aggregate import (
+  average_within_classes,
   broadcast,
   fedavg,
   path_contains,
@@ -11,6 +12,7 @@ from fedjax_mm.server.dro import chi2_divergence, dro_update, project_chi2_ball,
 from fedjax_mm.server.fedscmr import fedcmr_correction, fedcmr_weights, fedscmr_weights
 
 __all__ = [
+  "average_within_classes",
   "broadcast",
   "chi2_divergence",
   "dro_update",

@@ -10,11 +10,13 @@ Padding clients and clients that did not take part simply carry weight 0.
   (all of them by default; adapters only, or a common subspace only, for the
   algorithms that federate a part of the model).
 * :func:`sample_clients` — uniform sampling of a fixed number of participants.
+* :func:`average_within_classes` — FedAvg across several groups at once, among
+  the groups of one class (same task and architecture: FedDF, FedRCL).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -124,3 +126,42 @@ def sample_clients(key: Array, client_mask: Array, num: int) -> Array:
   num = min(num, client_mask.shape[0])
   threshold = jax.lax.top_k(scores, num)[0][-1]
   return client_mask & (scores >= threshold)
+
+
+def average_within_classes(
+  stacked: Sequence[PyTree], weights: Sequence[Array], classes: Sequence[int]
+) -> tuple[PyTree, ...]:
+  """FedAvg among the groups of each class; every client receives its class's mean.
+
+  Groups (each a stacked pytree ``[K_g, ...]``) of one class must have the same
+  structure and shapes (the same architecture): their clients are joined along
+  the client axis, averaged by ``weights`` and the mean sent back to every
+  client of the class. A class of one group is a plain FedAvg within the group;
+  a class whose weights are all 0 keeps its parameters.
+
+  Args:
+    stacked: per group, a pytree of ``[K_g, ...]`` arrays.
+    weights: per group, ``[K_g]`` non-negative weights (e.g. ``n_k``, 0 for
+      padding clients).
+    classes: per group, a static class id (``classes[g] == classes[h]``: the
+      two groups average together).
+
+  Returns:
+    per group, the pytree of ``[K_g, ...]`` arrays after averaging.
+  """
+  if not len(stacked) == len(weights) == len(classes):
+    raise ValueError("stacked, weights and classes need one entry per group.")
+  out = list(stacked)
+  for c in dict.fromkeys(classes):
+    members = [g for g, cg in enumerate(classes) if cg == c]
+    joined = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *(stacked[g] for g in members))
+    w = jnp.concatenate([jnp.asarray(weights[g], jnp.float32) for g in members])
+    mean = weighted_mean(joined, w)
+    keep = jnp.sum(w) <= 0
+    for g in members:
+      out[g] = jax.tree.map(
+        lambda m, x, keep=keep: jnp.where(keep, x, jnp.broadcast_to(m, x.shape)),
+        mean,
+        stacked[g],
+      )
+  return tuple(out)
