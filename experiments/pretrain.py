@@ -39,7 +39,9 @@ def get_config(arg=None):
   config.web = ml_collections.ConfigDict({"size": 50_000, "shift": 0.5})
   # Epochs per image encoder, sized to about 50 minutes on 2 CPU cores in all.
   config.default_epochs = 3
-  config.epochs = ml_collections.ConfigDict({"vit_t": 6, "cnn_s": 5, "vit_s": 4, "cnn_m": 12, "vit_b": 1})
+  config.epochs = ml_collections.ConfigDict(
+    {"vit_t": 6, "cnn_s": 5, "vit_s": 4, "cnn_m": 12, "vit_b": 1}
+  )
   config.batch_size = 128
   config.embed_dim = 128
   config.learning_rate = 1e-3

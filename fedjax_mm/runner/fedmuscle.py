@@ -258,7 +258,9 @@ def _frozen_base(config, u: User) -> bool:
 
 def _architecture(config, u: User) -> str:
   """A user's model config and frozen base as one string: equal strings, equal parameter trees."""
-  return json.dumps(_model_config(config, u) | {"frozen_base": _frozen_base(config, u)}, sort_keys=True)
+  return json.dumps(
+    _model_config(config, u) | {"frozen_base": _frozen_base(config, u)}, sort_keys=True
+  )
 
 
 def _model_config(config, u: User) -> dict[str, Any]:
