@@ -159,3 +159,35 @@ def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
   assert "| random ranking (chance) | 0.2000 ± 0.0000 |" in text[shared:own]
   assert "| DSCMR                   | 0.8500 ± 0.0707 |" in text[own:]
   assert "| FedSCMR | 0.4000 ± 0.0000 | 0.6000 ± 0.0000 |" in text  # last 1 of 3 rounds
+
+
+def test_default_features_are_the_frozen_world_clip_encoders():
+  from flax import nnx
+
+  from fedjax_mm import data, models
+
+  config = fedscmr_config.get_config()
+  runner.validate(config)  # The shipped checkpoints resolve.
+  assert (config.features.image_encoder, config.features.text_encoder) == (
+    "world-clip/cnn_m",
+    "world-clip/transformer_t",
+  )
+  f = runner.pretrained_features(
+    3, 6, image_encoder=config.features.image_encoder, text_encoder=config.features.text_encoder
+  )
+  world = data.generate(3, 6)
+  np.testing.assert_array_equal(f.labels, world["retrieval_label"])
+  encoder = models.build_encoder(
+    "cnn_m",
+    rngs=nnx.Rngs(5),
+    **{
+      k: models.pretrained.read_config("world-clip/cnn_m")[k]
+      for k in models.pretrained.size_keys("image")
+    },
+  )
+  models.pretrained.load_into(encoder, "world-clip/cnn_m")
+  np.testing.assert_allclose(f.image, np.asarray(encoder(world["image"])[0]), rtol=1e-5, atol=1e-5)
+  assert f.text.shape == (6, models.pretrained.read_config("world-clip/transformer_t")["features"])
+  config.features.image_encoder = "world-clip/transformer_t"
+  with pytest.raises(runner.ConfigError, match="is a text encoder"):
+    runner.validate(config)

@@ -29,13 +29,14 @@ it and exits with status 2).
 
 Features of the embedded world. The paper feeds 4096-d VGG-19 fc7 image
 features and 1024-d sentence-BERT text features, from networks pretrained
-elsewhere. With ``features.image_encoder`` set, both come from frozen World-CLIP
-encoders pretrained on the world's web split (:func:`pretrained_features`). They
-are not the default yet: they barely encode the primary object's shape, which
-is this benchmark's label, so every system ties near mAP 0.33 on them. The
-default is a stand-in (``features.image_encoder=""``, :func:`world_features`):
+elsewhere. By default (``features.image_encoder="world-clip/cnn_m"``), both come
+from frozen World-CLIP encoders pretrained on the world's web split
+(:func:`pretrained_features`): cnn_m, the shipped encoder that knows the primary
+object's shape (this benchmark's label), and transformer_t. The earlier
+stand-in remains (``features.image_encoder="" features.text_encoder=transformer_t``,
+:func:`world_features`):
 the text side is a frozen, randomly initialised text encoder of
-:mod:`fedjax_mm.models` (``transformer_t`` by default) applied to one caption
+:mod:`fedjax_mm.models` (``features.text_encoder``) applied to one caption
 per image (chosen at random, seeded), mean-pooled. The image side cannot be a
 randomly initialised image encoder: with the world's random textures, colours,
 sizes and positions, pooled features of a frozen random ``cnn_s`` / ``cnn_m`` /
