@@ -123,11 +123,16 @@ class Encoders(nnx.Module):
       )
       pretrained_lib.load_into(self.text, f"world-clip/{text_encoder}", expect={"max_len": max_len})
 
-  def __call__(self, images: Array, captions: Array):
-    """``[b, S, S, 3], [b, L]`` -> image ``[b, 1 + HW/16, c]``, text ``[b, 1 + L, h]`` + mask."""
+  def image_tokens(self, images: Array) -> Array:
+    """``[b, S, S, 3]`` -> ``[b, 1 + HW/16, c]``: the pooled feature, then the spatial map."""
     pooled, spatial = self.image(images)
     b = pooled.shape[0]
-    image_tokens = jnp.concatenate([pooled[:, None], spatial.reshape(b, -1, spatial.shape[-1])], 1)
+    return jnp.concatenate([pooled[:, None], spatial.reshape(b, -1, spatial.shape[-1])], 1)
+
+  def __call__(self, images: Array, captions: Array):
+    """``[b, S, S, 3], [b, L]`` -> image ``[b, 1 + HW/16, c]``, text ``[b, 1 + L, h]`` + mask."""
+    image_tokens = self.image_tokens(images)
+    b = image_tokens.shape[0]
     pooled_t, tokens = self.text(captions)
     text_tokens = jnp.concatenate([pooled_t[:, None], tokens], 1)
     text_mask = jnp.concatenate([jnp.ones((b, 1), bool), captions != 0], 1)
@@ -225,6 +230,11 @@ class FedRGB:
     """``(z_I, z_T)`` ``[b, d]`` of one batch."""
     return self.align(aligner, self.features(encoder, images, captions))
 
+  def embed_images(self, encoder: PyTree, aligner: PyTree, images: Array) -> Array:
+    """``z_I`` ``[b, d]`` of images alone (the image tower: encoder, image aligner)."""
+    tokens = nnx.merge(self.encoder_def, encoder).image_tokens(images)
+    return nnx.merge(self.aligner_def, aligner).image(tokens)
+
   # -- one client ------------------------------------------------------------
 
   def _train(self, loss_fn, params, key, arrays, mask, steps):
@@ -244,8 +254,12 @@ class FedRGB:
     (params, _), loss = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
     return params, jnp.mean(loss)
 
-  def stage1_client(self, encoder, aligner, teacher, key, arrays, mask):
-    """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``."""
+  def stage1_client(self, encoder, aligner, teacher, key, arrays, mask, steps=None):
+    """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``.
+
+    ``steps`` (default ``stage1_steps``) lets the distortion study
+    (:mod:`fedjax_mm.algorithms.fedrgb_eval`) retrain for longer with the same update.
+    """
     cfg = self.config
 
     def loss_fn(params, batch):
@@ -260,7 +274,8 @@ class FedRGB:
       ).mean()
 
     params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
-    params, loss = self._train(loss_fn, params, key, arrays, mask, cfg.stage1_steps)
+    steps = cfg.stage1_steps if steps is None else steps
+    params, loss = self._train(loss_fn, params, key, arrays, mask, steps)
     return (params["encoder"] if cfg.train_encoders else encoder), params["aligner"], loss
 
   def dro_objective(self, copy, teacher, encoder, local_aligner, batch):
