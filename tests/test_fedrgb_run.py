@@ -19,6 +19,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedrgb.rho", -0.1, "fedrgb.rho must be a finite number >= 0"),
     ("fedrgb.gamma", -1.0, "fedrgb.gamma must be a finite number >= 0"),
     ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['eq6', 'eq12']"),
+    ("fedrgb.dro_source", "authors", "fedrgb.dro_source must be one of ['paper', 'code']"),
     ("methods", ("fedrgb", "fedx"), "unknown ['fedx']"),
     ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),

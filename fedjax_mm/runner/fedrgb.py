@@ -30,9 +30,25 @@ Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Tabl
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
-take (ours: a compute-matched control). Not built yet (issue 19): FedEMA / FedX /
-FedMAE, the centralised row, the sweeps, classification and segmentation fine-tuning,
-the distortion matrix.
+take (ours: a compute-matched control).
+
+After the last round, for the global models (FedRGB's and FedAvg's rows; Local has
+none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
+
+* the distortion matrix of Tables 6 / 11 (``config.distortion``): the final model
+  retrained for ``steps`` steps on each client ``i`` by the method's own client update
+  (``"own"``) and by ``L_task`` alone (``"task"``, a control; for FedAvg the two are the
+  same retraining), entry ``(i, j)`` the drop in mean paired cosine on client ``j``'s
+  held-out pairs; summarised by the mean off-diagonal entry, the diagonal's mean and
+  the mean of all (the paper's "Avg" row averaged), beside "no retraining" (0) and the
+  model's mean paired and unpaired cosine;
+* downstream fine-tuning (``config.downstream``, the paper's RSNA / COVIDx): the image
+  tower + a linear layer fine-tuned on 1% and 10% of ``train`` fresh labelled scenes,
+  accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
+  the test set and the initial model (World-CLIP encoders, untrained aligners).
+
+Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the sweeps,
+segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -108,6 +124,8 @@ def validate(config) -> None:
       raise ConfigError(f"fedrgb.{key} must be a finite number >= 0, got {f[key]}.")
   if f.dro_form not in losses.fedrgb.DRO_FORMS:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
+  if f.dro_source not in alg.DRO_SOURCES:
+    raise ConfigError(f"fedrgb.dro_source must be one of {list(alg.DRO_SOURCES)}.")
   lr = float(config.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
@@ -209,6 +227,7 @@ def build(config) -> dict[str, Any]:
     gamma=f.gamma,
     rho=f.rho,
     dro_form=f.dro_form,
+    dro_source=f.dro_source,
     train_encoders=f.train_encoders,
     stage1_steps=config.stage1_steps,
     stage2_steps=config.stage2_steps,
@@ -470,7 +489,7 @@ def experiment(config) -> loop.Experiment:
     for m in methods:
       out = outs[m]
       values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
-      for name in ("stage2_loss", "dro_loss_start"):
+      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next"):
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
