@@ -289,3 +289,35 @@ def test_with_frozen_encoders_stage_one_cannot_change_the_round():
   (l2, l2_loss), (cl, cl_loss) = outs
   assert not np.allclose(l2_loss, cl_loss)  # stage 1 did run on different losses
   assert all(np.array_equal(a, b) for a, b in zip(l2, cl, strict=True))
+
+
+def test_dro_source_code_uses_last_rounds_losses_on_a_fixed_tenth():
+  """The authors' code's variant: round 1's weights stay uniform (no losses yet); round 2's
+  are eq. (5) of round 1's weights and the losses round 1 stored, which are L_dro of the
+  averaged model on the first 10% of each client's split. The paper's variant differs."""
+  alg, state, arrays, mask = _tiny(dro_source="code")
+  round_fn = jax.jit(alg.round)
+  s1, m1 = round_fn(state, arrays, mask)
+  np.testing.assert_allclose(m1["weights"], np.full(3, 1 / 3), atol=1e-6)
+  assert "dro_loss_start" not in m1
+  np.testing.assert_array_equal(s1.dro_losses, m1["dro_loss_next"])
+  subset = np.asarray(rgb.dro_subset(mask[0]))
+  np.testing.assert_array_equal(subset, [0, 1])  # max(2, round(0.1 * 8)) = 2 pairs
+  np.testing.assert_array_equal(rgb.dro_subset(jnp.arange(400) % 2 == 1)[:3], [1, 3, 5])
+  assert rgb.dro_subset(jnp.ones(400, bool)).shape == (40,)
+  # Direct: client c's L_dro of the new global model on its fixed subset. Round 1's local
+  # aligners are only read by eq. (6); with eq. (12) any aligner gives the same loss.
+  direct = jax.jit(alg.dro_objective)
+  for c in range(3):
+    batch = jax.tree.map(lambda x, c=c: x[c][subset], arrays)
+    want = direct(s1.encoder, s1.teacher, s1.encoder, s1.aligner, batch)
+    np.testing.assert_allclose(s1.dro_losses[c], want, rtol=1e-5, atol=1e-6)
+  s2, m2 = round_fn(s1, arrays, mask)
+  want = server.dro_update(s1.weights, s1.dro_losses, gamma=alg.config.gamma, rho=alg.config.rho)
+  np.testing.assert_allclose(m2["weights"], want, atol=1e-6)
+  assert not np.allclose(m2["weights"], 1 / 3)
+  paper, p_state, *_ = _tiny()
+  _, p1 = jax.jit(paper.round)(p_state, arrays, mask)
+  assert not np.allclose(p1["weights"], m1["weights"])  # the paper's: this round's losses
+  with pytest.raises(ValueError, match="dro_source"):
+    rgb.RgbConfig(dro_source="authors")

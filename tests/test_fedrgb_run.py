@@ -19,11 +19,17 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedrgb.rho", -0.1, "fedrgb.rho must be a finite number >= 0"),
     ("fedrgb.gamma", -1.0, "fedrgb.gamma must be a finite number >= 0"),
     ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['eq6', 'eq12']"),
+    ("fedrgb.dro_source", "authors", "fedrgb.dro_source must be one of ['paper', 'code']"),
     ("methods", ("fedrgb", "fedx"), "unknown ['fedx']"),
     ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
     ("text_encoder", "vit_t", "text_encoder: unknown text encoder 'vit_t'"),
+    ("distortion.steps", -1, "distortion.steps >= 0"),
+    ("distortion.retrain", ("own", "full"), "distortion.retrain: each of ['own', 'task']"),
+    ("downstream.fractions", (0.0, 0.1), "downstream.fractions must be in (0, 1]"),
+    ("downstream.test", 0, "downstream.test must be >= 1"),
+    ("downstream.learning_rate", -1.0, "downstream.learning_rate must be a finite number > 0"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -75,6 +81,24 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   np.testing.assert_allclose(weights.sum(), 1.0, atol=1e-5)
   chi2 = np.sum((k * weights - 1) ** 2) / (2 * k)  # D(N w || 1), the paper's ball
   assert chi2 <= config.fedrgb.rho + 1e-5
+  # Distortion and downstream accuracy after the last round, for the global models only.
+  assert "distortion" not in reference["methods"]["local"]
+  for m in ("fedavg", "fedrgb"):
+    final = reference["methods"][m]
+    for retrain in config.distortion.retrain:
+      d = final["distortion"][retrain]
+      assert np.asarray(d["matrix"]).shape == (k, k)
+      assert d["summary"]["all"] == pytest.approx(np.mean(d["matrix"]))
+    for task in runner.DOWNSTREAM:
+      assert set(final["downstream"][task]) == {"1%", "10%"}
+      assert all(0 <= v <= 100 for v in final["downstream"][task].values())
+  # FedAvg's own client update is L_task: "own" and "task" are one retraining.
+  assert (
+    reference["methods"]["fedavg"]["distortion"]["own"]
+    == (reference["methods"]["fedavg"]["distortion"]["task"])
+  )
+  assert set(reference["downstream_majority"]) == set(runner.DOWNSTREAM)
+  assert "| majority class" in out and "| no retraining" in out
   traffic = reference["traffic_bytes"]
   assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
   assert traffic["fedrgb"]["stage2"] > 0

@@ -8,8 +8,11 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. One round:
    the learnable encoder copy equal to the global encoder (no distortion yet).
 2. **DRO weights** (eq. (5), line 15): ``w <- Proj(w e^{gamma v} / sum, rho)``
    (:func:`fedjax_mm.server.dro_update`), used in this same round (line 23), as
-   the paper says. (The code's variant, the averaged model's loss on a fixed
-   10% of each client's split applied next round, is not built yet.)
+   the paper says. ``dro_source="code"`` is the authors' code's variant instead:
+   after stage 2, each client's ``L_dro`` of the averaged model (encoder ``f*``,
+   the new teacher, no distortion) on a fixed 10% of its training split
+   (:func:`dro_subset`) is kept in the state and gives the weights of the NEXT
+   round (uniform in the first; tested).
 3. **Stage 1** (eqs. (1)-(2)): each client trains its aligners (and, with
    ``train_encoders``, its encoders) on ``L_local = L_guide + alpha L_task``
    with the teacher aligners frozen, ``stage1_steps`` AdamW steps on batches
@@ -97,6 +100,12 @@ METHODS = ("fedrgb", "fedavg", "local")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
+#: Where the DRO losses ``v`` come from: the paper's (one batch at the start of the round,
+#: used in that round) or the authors' code's (the averaged model after stage 2 on a fixed
+#: 10% of each client's split, used in the next round).
+DRO_SOURCES = ("paper", "code")
+#: The share of each client's training split the code's DRO losses are computed on.
+DRO_SUBSET = 0.1
 
 
 class Encoders(nnx.Module):
@@ -123,11 +132,16 @@ class Encoders(nnx.Module):
       )
       pretrained_lib.load_into(self.text, f"world-clip/{text_encoder}", expect={"max_len": max_len})
 
-  def __call__(self, images: Array, captions: Array):
-    """``[b, S, S, 3], [b, L]`` -> image ``[b, 1 + HW/16, c]``, text ``[b, 1 + L, h]`` + mask."""
+  def image_tokens(self, images: Array) -> Array:
+    """``[b, S, S, 3]`` -> ``[b, 1 + HW/16, c]``: the pooled feature, then the spatial map."""
     pooled, spatial = self.image(images)
     b = pooled.shape[0]
-    image_tokens = jnp.concatenate([pooled[:, None], spatial.reshape(b, -1, spatial.shape[-1])], 1)
+    return jnp.concatenate([pooled[:, None], spatial.reshape(b, -1, spatial.shape[-1])], 1)
+
+  def __call__(self, images: Array, captions: Array):
+    """``[b, S, S, 3], [b, L]`` -> image ``[b, 1 + HW/16, c]``, text ``[b, 1 + L, h]`` + mask."""
+    image_tokens = self.image_tokens(images)
+    b = image_tokens.shape[0]
     pooled_t, tokens = self.text(captions)
     text_tokens = jnp.concatenate([pooled_t[:, None], tokens], 1)
     text_mask = jnp.concatenate([jnp.ones((b, 1), bool), captions != 0], 1)
@@ -166,6 +180,7 @@ class RgbConfig:
   rho: float = 1.0
   tau: float = losses.fedrgb.TAU
   dro_form: str = "eq12"
+  dro_source: str = "paper"
   teacher: str = "dro"
   guide: str = "l2"
   train_encoders: bool = False
@@ -181,6 +196,8 @@ class RgbConfig:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}.")
     if self.dro_form not in losses.fedrgb.DRO_FORMS:
       raise ValueError(f"dro_form must be one of {losses.fedrgb.DRO_FORMS}, got {self.dro_form!r}.")
+    if self.dro_source not in DRO_SOURCES:
+      raise ValueError(f"dro_source must be one of {DRO_SOURCES}, got {self.dro_source!r}.")
     if self.teacher not in TEACHERS:
       raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}.")
     if self.guide not in losses.fedrgb.GUIDES:
@@ -191,7 +208,12 @@ class RgbConfig:
 
 @struct.dataclass
 class RgbState:
-  """Server state: global encoders ``f``, aligners ``g``, teacher ``g*``, DRO weights ``w``."""
+  """Server state: global encoders ``f``, aligners ``g``, teacher ``g*``, DRO weights ``w``.
+
+  ``dro_losses`` ``[K]``: with ``dro_source="code"``, the losses the next round's weights
+  are computed from (zeros before the first round, so its weights stay uniform); unused
+  otherwise.
+  """
 
   round: Array
   rng: Array
@@ -199,6 +221,7 @@ class RgbState:
   aligner: PyTree
   teacher: PyTree
   weights: Array
+  dro_losses: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +248,11 @@ class FedRGB:
     """``(z_I, z_T)`` ``[b, d]`` of one batch."""
     return self.align(aligner, self.features(encoder, images, captions))
 
+  def embed_images(self, encoder: PyTree, aligner: PyTree, images: Array) -> Array:
+    """``z_I`` ``[b, d]`` of images alone (the image tower: encoder, image aligner)."""
+    tokens = nnx.merge(self.encoder_def, encoder).image_tokens(images)
+    return nnx.merge(self.aligner_def, aligner).image(tokens)
+
   # -- one client ------------------------------------------------------------
 
   def _train(self, loss_fn, params, key, arrays, mask, steps):
@@ -244,8 +272,12 @@ class FedRGB:
     (params, _), loss = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
     return params, jnp.mean(loss)
 
-  def stage1_client(self, encoder, aligner, teacher, key, arrays, mask):
-    """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``."""
+  def stage1_client(self, encoder, aligner, teacher, key, arrays, mask, steps=None):
+    """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``.
+
+    ``steps`` (default ``stage1_steps``) lets the distortion study
+    (:mod:`fedjax_mm.algorithms.fedrgb_eval`) retrain for longer with the same update.
+    """
     cfg = self.config
 
     def loss_fn(params, batch):
@@ -260,7 +292,8 @@ class FedRGB:
       ).mean()
 
     params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
-    params, loss = self._train(loss_fn, params, key, arrays, mask, cfg.stage1_steps)
+    steps = cfg.stage1_steps if steps is None else steps
+    params, loss = self._train(loss_fn, params, key, arrays, mask, steps)
     return (params["encoder"] if cfg.train_encoders else encoder), params["aligner"], loss
 
   def dro_objective(self, copy, teacher, encoder, local_aligner, batch):
@@ -299,6 +332,7 @@ class FedRGB:
       aligner=aligner,
       teacher=aligner,
       weights=jnp.full((num_clients,), 1.0 / num_clients, jnp.float32),
+      dro_losses=jnp.zeros((num_clients,), jnp.float32),
     )
 
   def round(self, state: RgbState, arrays: dict[str, Array], mask: Array):
@@ -317,7 +351,9 @@ class FedRGB:
       )
       new = state.replace(round=state.round + 1, encoder=encs, aligner=aligns, teacher=aligns)
       return new, {"stage1_loss": loss1, "weights": state.weights}
-    if cfg.method == "fedrgb":
+    if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
+      weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
+    elif cfg.method == "fedrgb":
       first = jax.vmap(
         lambda m, kk: jax.random.choice(kk, m.shape[0], (cfg.batch_size,), p=m / m.sum())
       )(mask.astype(jnp.float32), jax.random.split(k_v, k))
@@ -350,11 +386,37 @@ class FedRGB:
       teacher = aggregate(teachers, weights)
       aligner = teacher
       metrics["stage2_loss"] = loss2
+    dro_losses = state.dro_losses
+    if cfg.method == "fedrgb" and cfg.dro_source == "code":
+      # The averaged model (no distortion: the copy is f* itself) on a fixed 10% of each
+      # client's split; eq. (6) reads the client's stage-1 aligner.
+      subset = jax.vmap(dro_subset)(mask)
+      fixed = jax.tree.map(lambda x: jax.vmap(lambda xc, i: xc[i])(x, subset), arrays)
+      dro_losses = map_clients(
+        lambda la, b: self.dro_objective(encoder, teacher, encoder, la, b), (aligns, fixed), spec
+      )
+      metrics["dro_loss_next"] = dro_losses
     metrics["weights"] = weights
     new = state.replace(
-      round=state.round + 1, encoder=encoder, aligner=aligner, teacher=teacher, weights=weights
+      round=state.round + 1,
+      encoder=encoder,
+      aligner=aligner,
+      teacher=teacher,
+      weights=weights,
+      dro_losses=dro_losses,
     )
     return new, metrics
+
+
+def dro_subset(mask: Array) -> Array:
+  """``int [m]``: the first ``m = max(2, round(DRO_SUBSET n))`` valid indices of ``bool [n]``.
+
+  The code's fixed DRO split (at least two pairs: a contrastive loss of one pair is 0);
+  a client holding fewer than ``m`` valid samples also gets padding indices (the
+  runner's clients hold ``n`` each).
+  """
+  m = max(2, int(round(DRO_SUBSET * mask.shape[0])))
+  return jnp.argsort(~mask, stable=True)[:m]
 
 
 def data_size_weights(mask: Array) -> Array:

@@ -30,9 +30,25 @@ Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Tabl
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
-take (ours: a compute-matched control). Not built yet (issue 19): FedEMA / FedX /
-FedMAE, the centralised row, the sweeps, classification and segmentation fine-tuning,
-the distortion matrix.
+take (ours: a compute-matched control).
+
+After the last round, for the global models (FedRGB's and FedAvg's rows; Local has
+none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
+
+* the distortion matrix of Tables 6 / 11 (``config.distortion``): the final model
+  retrained for ``steps`` steps on each client ``i`` by the method's own client update
+  (``"own"``) and by ``L_task`` alone (``"task"``, a control; for FedAvg the two are the
+  same retraining), entry ``(i, j)`` the drop in mean paired cosine on client ``j``'s
+  held-out pairs; summarised by the mean off-diagonal entry, the diagonal's mean and
+  the mean of all (the paper's "Avg" row averaged), beside "no retraining" (0) and the
+  model's mean paired and unpaired cosine;
+* downstream fine-tuning (``config.downstream``, the paper's RSNA / COVIDx): the image
+  tower + a linear layer fine-tuned on 1% and 10% of ``train`` fresh labelled scenes,
+  accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
+  the test set and the initial model (World-CLIP encoders, untrained aligners).
+
+Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the sweeps,
+segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import numpy as np
 
 from fedjax_mm import losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
+from fedjax_mm.algorithms import fedrgb_eval
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import loop
 from fedjax_mm.runner import report as report_lib
@@ -83,6 +100,14 @@ COLUMNS = (
 )
 #: The five attributes whose presence makes a pair's category (the paper's five diseases).
 NUM_ATTRIBUTES = 5
+#: Downstream classification tasks (the paper's RSNA and COVIDx): name -> (classes, label).
+#: "binary": does the scene hold a circle (shape 0, one of the five attributes, as RSNA's
+#: pneumonia is one of MIMIC's findings); "three_way": how many objects, 1, 2 or 3 (COVIDx's
+#: three classes).
+DOWNSTREAM = {
+  "binary": (2, lambda w: (np.asarray(w["multilabel"])[:, 0] > 0).astype(np.int32)),
+  "three_way": (3, lambda w: np.asarray(w["num_objects"], np.int32) - 1),
+}
 
 
 def validate(config) -> None:
@@ -99,6 +124,8 @@ def validate(config) -> None:
       raise ConfigError(f"fedrgb.{key} must be a finite number >= 0, got {f[key]}.")
   if f.dro_form not in losses.fedrgb.DRO_FORMS:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
+  if f.dro_source not in alg.DRO_SOURCES:
+    raise ConfigError(f"fedrgb.dro_source must be one of {list(alg.DRO_SOURCES)}.")
   lr = float(config.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
@@ -127,6 +154,31 @@ def validate(config) -> None:
     raise ConfigError(
       f"dim must be >= 1 and weight_decay >= 0, got {config.dim}, {config.weight_decay}."
     )
+  d = config.distortion
+  if not isinstance(d.enabled, bool) or int(d.steps) < 0:
+    raise ConfigError(
+      f"distortion.enabled must be a bool and distortion.steps >= 0, got {d.enabled}, {d.steps}."
+    )
+  retrain = tuple(d.retrain)
+  bad = [r for r in retrain if r not in fedrgb_eval.RETRAIN]
+  if bad or not retrain or len(set(retrain)) != len(retrain):
+    raise ConfigError(
+      f"distortion.retrain: each of {list(fedrgb_eval.RETRAIN)} at most once, got {list(retrain)}."
+    )
+  ds = config.downstream
+  if not isinstance(ds.enabled, bool) or not isinstance(ds.train_encoder, bool):
+    raise ConfigError("downstream.enabled and downstream.train_encoder must be bools.")
+  for key in ("train", "test", "batch_size"):
+    if int(ds[key]) < 1:
+      raise ConfigError(f"downstream.{key} must be >= 1, got {ds[key]}.")
+  if int(ds.steps) < 0:
+    raise ConfigError(f"downstream.steps must be >= 0, got {ds.steps}.")
+  fractions = [float(f) for f in ds.fractions]
+  if not fractions or not all(0 < f <= 1 for f in fractions):
+    raise ConfigError(f"downstream.fractions must be in (0, 1], got {list(ds.fractions)}.")
+  lr = float(ds.learning_rate)
+  if not (np.isfinite(lr) and lr > 0):
+    raise ConfigError(f"downstream.learning_rate must be a finite number > 0, got {lr}.")
   if int(config.test_per_client) < int(config.gallery):
     raise ConfigError(
       f"test_per_client ({config.test_per_client}) must be >= gallery ({config.gallery})."
@@ -157,6 +209,17 @@ def build(config) -> dict[str, Any]:
   tr, te = idx[:, : config.train_per_client], idx[:, config.train_per_client :]
   pairs = lambda i: {"images": pool["image"][i], "captions": pool["caption"][i, 0]}
   ood = world.generate(config.seed + 7, config.ood_test, config=wcfg, shift=world.PUBLIC_SHIFT)
+  # The labelled downstream set: fresh scenes of the clients' (unshifted) distribution.
+  ds = config.downstream
+  n_down, n_test_down = int(ds.train), int(ds.test)
+  down = world.generate(config.seed + 13, n_down + n_test_down, config=wcfg)
+  downstream = {
+    "images": jnp.asarray(down["image"][:n_down]),
+    "test_images": jnp.asarray(down["image"][n_down:]),
+    "masks": jnp.asarray(fedrgb_eval.subset_masks(n_down, ds.fractions)),
+    "labels": {name: label(down)[:n_down] for name, (_, label) in DOWNSTREAM.items()},
+    "test_labels": {name: label(down)[n_down:] for name, (_, label) in DOWNSTREAM.items()},
+  }
   f = config.fedrgb
   settings = dict(
     alpha=f.alpha,
@@ -164,6 +227,7 @@ def build(config) -> dict[str, Any]:
     gamma=f.gamma,
     rho=f.rho,
     dro_form=f.dro_form,
+    dro_source=f.dro_source,
     train_encoders=f.train_encoders,
     stage1_steps=config.stage1_steps,
     stage2_steps=config.stage2_steps,
@@ -207,6 +271,7 @@ def build(config) -> dict[str, Any]:
     "test": jax.tree.map(jnp.asarray, pairs(te)),
     "ood": {"images": jnp.asarray(ood["image"]), "captions": jnp.asarray(ood["caption"][:, 0])},
     "categories": labels[idx],
+    "downstream": downstream,
   }
 
 
@@ -241,6 +306,51 @@ def chance_row(chance: dict[str, float]) -> list[str]:
   )
 
 
+def fraction_label(f: float) -> str:
+  """``0.01 -> "1%"``."""
+  return f"{100 * f:g}%"
+
+
+def distortion_tables(final, methods, k: int) -> tuple[str, list[str]]:
+  """The summary table (one row per method and retraining) and each matrix as a table."""
+  header = ["Method", "retrain", "off-diagonal", "diagonal", "all", "paired cos", "unpaired cos"]
+  rows, matrices = [], []
+  for m in methods:
+    for retrain, d in final[m].get("distortion", {}).items():
+      sm = d["summary"]
+      rows.append(
+        [m, retrain]
+        + [f"{sm[n]:.4f}" for n in ("off_diagonal", "diagonal", "all")]
+        + [f"{d['paired_cosine']:.3f}", f"{d['unpaired_cosine']:.3f}"]
+      )
+      mat = np.asarray(d["matrix"])
+      body = [[f"Retrain on C{i + 1}"] + [f"{v:.4f}" for v in mat[i]] for i in range(k)]
+      body.append(["Avg"] + [f"{v:.4f}" for v in mat.mean(0)])
+      cols = [f"{m} ({retrain})"] + [f"Test on C{j + 1}" for j in range(k)]
+      matrices.append(format_table(cols, body))
+  if not rows:
+    return "", []
+  rows.append(["no retraining", "-", "0.0000", "0.0000", "0.0000", "-", "-"])
+  return format_table(header, rows), matrices
+
+
+def downstream_table(final, methods, initial, majority, fractions) -> str:
+  """Accuracy (%) per method, task and labelled fraction, beside the majority class."""
+  labels = [fraction_label(f) for f in fractions]
+  cols = [(task, f) for task in DOWNSTREAM for f in labels]
+  header = ["Method"] + [f"{task} {f}" for task, f in cols]
+  rows = [
+    [m] + [f"{final[m]['downstream'][t][f]:.1f}" for t, f in cols]
+    for m in methods
+    if "downstream" in final[m]
+  ]
+  if not rows:
+    return ""
+  rows.append(["initial model"] + [f"{initial[t][f]:.1f}" for t, f in cols])
+  rows.append(["majority class"] + [f"{majority[t]:.1f}" for t, _ in cols])
+  return format_table(header, rows)
+
+
 def experiment(config) -> loop.Experiment:
   setup = build(config)
   algorithms, states0 = setup["algorithms"], setup["states"]
@@ -249,11 +359,13 @@ def experiment(config) -> loop.Experiment:
   gallery = int(config.gallery)
   train, mask, test, ood = setup["train"], setup["mask"], setup["test"], setup["ood"]
 
+  # Each method's loop state is {"rgb": RgbState, "row": its index in ``methods``}: the row
+  # tells evaluate which algorithm's client update retrains it (distortion).
   def round_and_check(a, s):
-    s, out = a.round(s, train, mask)
-    leaves = jax.tree.leaves((s.encoder, s.aligner, s.teacher, s.weights))
+    rgb, out = a.round(s["rgb"], train, mask)
+    leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-    return s, out | {"finite": finite}
+    return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
   rounds = {
     m: jax.jit(functools.partial(round_and_check, algorithms[m]), donate_argnums=0) for m in methods
@@ -278,24 +390,106 @@ def experiment(config) -> loop.Experiment:
       shifted = score(encoder, aligner, ood)
     return own, shifted
 
-  def evaluate(s) -> dict[str, Any]:
+  # -- after the last round: distortion (Tables 6 / 11) and downstream fine-tuning ----------
+  dist_cfg, down_cfg = config.distortion, config.downstream
+  dist_steps = int(dist_cfg.steps)
+  dist_key = jax.random.key(config.seed + 19)  # the same client draws for every method
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def distortion_jit(a, encoder, aligner, teacher):
+    return fedrgb_eval.distortion_matrix(
+      a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps
+    )
+
+  def distortion(m, s) -> dict[str, Any]:
+    out, seen = {}, {}
+    for retrain in dist_cfg.retrain:
+      a = fedrgb_eval.retrainer(algorithms[m], retrain)
+      if a in seen:  # FedAvg's own update is L_task: the same retraining, not rerun
+        out[retrain] = out[seen[a]]
+        continue
+      seen[a] = retrain
+      d = {
+        n: np.asarray(v, np.float64)
+        for n, v in distortion_jit(a, s.encoder, s.aligner, s.teacher).items()
+      }
+      out[retrain] = {
+        "matrix": d["matrix"].tolist(),
+        "summary": fedrgb_eval.summarize_distortion(d["matrix"]),
+        "paired_cosine": float(d["before"].mean()),
+        "unpaired_cosine": float(d["unpaired"].mean()),
+      }
+    return out
+
+  down = setup["downstream"]
+  down_key = jax.random.key(config.seed + 17)
+  fractions = [float(f) for f in down_cfg.fractions]
+
+  # Both tasks (and both fractions) in one program: the tasks' labels stacked, the binary
+  # task's missing third class masked out of its logits.
+  tasks = list(DOWNSTREAM)
+  num_classes = max(c for c, _ in DOWNSTREAM.values())
+  valid = jnp.asarray([np.arange(num_classes) < DOWNSTREAM[t][0] for t in tasks])
+  stacked = lambda labels: jnp.asarray(np.stack([labels[t] for t in tasks]))
+  labels, test_labels = stacked(down["labels"]), stacked(down["test_labels"])
+
+  @jax.jit
+  def finetune_jit(encoder, aligner):
+    def one(y, y_test, classes):
+      return fedrgb_eval.finetune_accuracy(
+        embedder,
+        encoder,
+        aligner,
+        down_key,
+        down["images"],
+        y,
+        down["masks"],
+        down["test_images"],
+        y_test,
+        num_classes=num_classes,
+        steps=int(down_cfg.steps),
+        batch_size=int(down_cfg.batch_size),
+        learning_rate=float(down_cfg.learning_rate),
+        train_encoder=down_cfg.train_encoder,
+        classes=classes,
+      )
+
+    return jax.vmap(one)(labels, test_labels, valid)
+
+  def downstream(encoder, aligner) -> dict[str, dict[str, float]]:
+    acc = np.asarray(finetune_jit(encoder, aligner))  # [tasks, fractions]
+    return {
+      t: {fraction_label(f): float(v) for f, v in zip(fractions, acc[i], strict=True)}
+      for i, t in enumerate(tasks)
+    }
+
+  def evaluate(loop_state) -> dict[str, Any]:
+    s, m = loop_state["rgb"], methods[int(loop_state["row"])]
     local = jax.tree.leaves(s.aligner)[0].ndim > unstacked_ndim
     own, shifted = evaluate_jit(local, s.encoder, s.aligner)
     own = {name: np.asarray(v, np.float64) for name, v in own.items()}
-    return {
+    out = {
       "mean": {name: float(v.mean()) for name, v in own.items()},
       "worst": {name: float(v.min()) for name, v in own.items()},
       "own": {name: v.tolist() for name, v in own.items()},
       "ood": {name: float(v) for name, v in shifted.items()},
       "weights": np.asarray(s.weights).tolist(),
     }
+    # The state's own round count says whether this is the final model, so a rerun of a
+    # finished run (the loop evaluates it anew) gets these too. Local has no global model.
+    if int(s.round) == int(config.rounds) and not local:
+      if dist_cfg.enabled:
+        out["distortion"] = distortion(m, s)
+      if down_cfg.enabled:
+        out["downstream"] = downstream(s.encoder, s.aligner)
+    return out
 
   def scalars(r, outs, evals):
     rows = []
     for m in methods:
       out = outs[m]
       values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
-      for name in ("stage2_loss", "dro_loss_start"):
+      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next"):
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
@@ -337,11 +531,33 @@ def experiment(config) -> loop.Experiment:
     traffic_table = format_table(
       ["Method", "stage 1 MB/client/round", "stage 2 MB", "full model MB"], traffic_rows
     )
+    sections = [("Retrieval (R@K, %)", table), ("Traffic", traffic_table)]
+    extra = ""
+    dist_table, matrices = distortion_tables(outcome.final, methods, k)
+    if dist_table:
+      heading = (
+        f"Distortion: drop in mean paired cosine after {dist_steps} retraining steps on one "
+        "client (Tables 6 / 11)"
+      )
+      sections.append((heading, dist_table + "\n\n" + "\n\n".join(matrices)))
+      extra += f"\n\n{heading}:\n{dist_table}"
+    majority = {t: fedrgb_eval.majority_accuracy(v) for t, v in down["test_labels"].items()}
+    initial = None
+    if down_cfg.enabled and any("downstream" in outcome.final[m] for m in methods):
+      base = setup["base_state"]
+      initial = downstream(base.encoder, base.aligner)
+      down_table = downstream_table(outcome.final, methods, initial, majority, fractions)
+      heading = (
+        f"Downstream accuracy (%), fine-tuned for {down_cfg.steps} steps on a fraction of "
+        f"{down_cfg.train} labelled images, tested on {down_cfg.test}"
+      )
+      sections.append((heading, down_table))
+      extra += f"\n\n{heading}:\n{down_table}"
     text = (
       f"FedRGB on the world: {k} clients, Dirichlet {config.dirichlet_alpha} over the 32 "
       f"categories, {config.rounds} rounds, {config.image_encoder} + {config.text_encoder}"
       f"{' (World-CLIP)' if config.pretrained else ' (from scratch)'}, seed {config.seed}\n"
-      f"{table}\n\nSent per client and round (float32):\n{traffic_table}\n"
+      f"{table}\n\nSent per client and round (float32):\n{traffic_table}{extra}\n"
       f"wall time {outcome.wall_time_s:.0f} s"
       + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
     )
@@ -350,17 +566,23 @@ def experiment(config) -> loop.Experiment:
       "chance": chance,
       "traffic_bytes": traffic_bytes,
       "client_categories": np.bincount(setup["categories"].ravel(), minlength=32).tolist(),
+      "distortion_steps": dist_steps,
+      "downstream_majority": majority,
+      "downstream_initial": initial,
     }
     return loop.Report(
       title="FedRGB",
-      sections=[("Retrieval (R@K, %)", table), ("Traffic", traffic_table)],
+      sections=sections,
       plots={},
       results=results,
       text=text,
     )
 
   def init():
-    return {m: jax.tree.map(jnp.copy, states0[m]) for m in methods}
+    return {
+      m: {"rgb": jax.tree.map(jnp.copy, states0[m]), "row": jnp.asarray(i, jnp.int32)}
+      for i, m in enumerate(methods)
+    }
 
   return loop.Experiment(
     init=init,
