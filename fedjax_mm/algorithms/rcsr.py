@@ -536,8 +536,10 @@ def client_objective(
     )
     p_loss = jnp.where(meth.personal, p_loss, 0.0)
     # The value is the shared loss (the l_k a client reports); the gradient includes the
-    # personal loss's, which reaches only the personal adapter.
-    return loss + p_loss - jax.lax.stop_gradient(p_loss), {"personal_loss": p_loss}
+    # personal loss's, which reaches only the personal adapter. The parentheses keep the
+    # value *exactly* the shared loss ((loss + p) - p is not, in float32), so RCSR-p's q
+    # game and global model are RCSR's bit for bit.
+    return loss + (p_loss - jax.lax.stop_gradient(p_loss)), {"personal_loss": p_loss}
 
   return objective
 
