@@ -181,6 +181,10 @@ def get_config(arg=None):
   )
 
   config.faults = faults_config()  # experiments/faults.py: all off
+  # FLOPs per round of every method, users and server apart, from XLA's cost analysis of
+  # each method's compiled steps (fedjax_mm/runner/cost.py): counted once at start-up
+  # (a few compiles per user and method), reported beside Delta.
+  config.count_flops = True
 
   if arg == "cnn_m":
     # Every user on the shipped cnn_m: encoders of one quality, as the paper's
@@ -209,6 +213,7 @@ def get_config(arg=None):
     config.muscle.num_partners = 2
     config.muscle.batch_size = 8
     config.baselines.fedhenn.rad_size = 8
+    config.count_flops = False  # compiles; tests/test_cost.py counts the smoke users
   elif arg in ("paper_setup1", "paper_setup2"):
     _paper(config, int(arg[-1]))
   elif arg is not None:

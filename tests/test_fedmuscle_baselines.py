@@ -284,7 +284,21 @@ def test_report_has_a_column_and_a_delta_per_method():
   history = [{"run": m, "round": 1, "delta": 0.0} for m in runner.METHODS[:-1]]
   outcome = loop.Outcome(final, history, {"fedmuscle": ledger.Ledger.zeros(len(users))}, 1.0, 0)
   traffic = runner._bytes_per_round(config, 2)
-  report = runner._report(config, runner.METHODS, users, groups, traffic, trivial, outcome)
+  costs = {
+    m: runner.cost_lib.MethodCost((1e9, 2e9, 0.0, 0.0, 0.5e9), 3e9 * i)
+    for i, m in enumerate(runner.METHODS)
+  }
+  report = runner._report(
+    config, runner.METHODS, users, groups, traffic, trivial, outcome, costs=costs
+  )
+  assert report.results["flops_per_round"]["feddf"] == {
+    "users": [1e9, 2e9, 0.0, 0.0, 0.5e9],
+    "users_total": 3.5e9,
+    "server": 3e9,
+  }
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in report.text.splitlines()]
+  flops_row = [r for r in rows if r and r[0] == "FedDF" and len(r) == 5][0]
+  assert flops_row[1:4] == ["3.5", "1 / 2 / 0 / 0 / 0.5", "3"]
   deltas = report.results["deltas"]
   assert list(deltas) == ["fedmuscle", "feddf", "fedhenn", "fedrcl"]
   for i, m in enumerate(deltas):  # user 1 gains 0.1 i / 0.5; user 3 (local 0) is left out
