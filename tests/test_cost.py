@@ -50,12 +50,14 @@ def test_method_costs_split_users_and_server():
   config = fedmuscle_config.get_config("smoke")
   users, groups, states, train, _, public, _ = runner.build(config)
   archs = tuple(runner._architecture(config, u) for u in users)
-  costs = cost.method_costs(
-    config, ["fedmuscle", "local"], groups, states, train, public, architectures=archs
-  )
+  methods = ["fedmuscle", "simclr", "pseudo_label", "local"]
+  costs = cost.method_costs(config, methods, groups, states, train, public, architectures=archs)
   local, muscle = costs["local"], costs["fedmuscle"]
   assert local.server == 0 and muscle.server > 0
   assert all(m > loc > 0 for m, loc in zip(muscle.users, local.users, strict=True))
   # Same task, different encoders (users 1 and 3 are cnn_s, user 2 a vit_t): different costs.
   assert local.users[0] != local.users[1]
   assert costs["fedmuscle"].to_dict()["users_total"] == sum(muscle.users)
+  for alone in ("simclr", "pseudo_label"):  # no server; more work than local training
+    assert costs[alone].server == 0
+    assert all(a > loc for a, loc in zip(costs[alone].users, local.users, strict=True))

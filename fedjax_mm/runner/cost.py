@@ -31,7 +31,14 @@ are multiplied by the number of times the round runs them:
   averages the ``N`` kernels.
 * **FedRCL's server** averages parameters within each (task, architecture)
   class.
-* **Local training** has no server.
+* **SimCLR's user** (alone), per public batch (FedMuscle's count): two
+  augmented views, both encoded, NT-Xent, its gradient and the CL update.
+* **Curriculum Labeling's user** (alone) labels the whole public set once
+  (``ceil(P / label_batch_size)`` forward passes) and takes
+  ``E * ceil((n + P) / b)`` local steps: its epochs run over its own and the
+  public samples, padded where pseudo-labels are not kept (the engine
+  computes those steps and masks them; the count is the final stage's, 100%).
+* **Local training**, SimCLR and Curriculum Labeling have no server.
 
 Not counted: evaluation, the random draws of the engine's batch orders, the
 per-round diagnostics (FedHeNN's reported CKA distances), and every
@@ -51,7 +58,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_mm import losses, server
-from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl
+from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl, pseudo_label, simclr
 from fedjax_mm.algorithms.base import classes_of
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, supervised_objective
 from fedjax_mm.core.cost import flops
@@ -232,6 +239,13 @@ def method_costs(
       out[m] = MethodCost(tuple(users), _average_flops(states, fusion))
     elif m == "fedhenn":
       out[m] = _fedhenn(fedhenn.FedHeNNConfig(**kw("fedhenn")), groups, states, train_data, public)
+    elif m == "simclr":
+      cfg = simclr.SimCLRConfig(batch_size=mc.batch_size, cl_epochs=mc.cl_epochs, **kw("simclr"))
+      cl = _simclr(cfg, groups, states, public, cfg.cl_epochs * (num_public // cfg.batch_size))
+      out[m] = MethodCost(tuple(a + b for a, b in zip(supervised(), cl, strict=True)), 0.0)
+    elif m == "pseudo_label":
+      cfg = pseudo_label.PseudoLabelConfig(num_rounds=config.rounds, **kw("pseudo_label"))
+      out[m] = MethodCost(tuple(_pseudo_label(cfg, groups, states, train_data, public)), 0.0)
     elif extra and m in extra:
       out[m] = extra[m]()
     else:
@@ -257,3 +271,43 @@ def _fedhenn(config, groups, states, train_data, public) -> MethodCost:
   kernels = jax.ShapeDtypeStruct((len(groups), config.rad_size, config.rad_size), jnp.float32)
   present = jax.ShapeDtypeStruct((len(groups),), jnp.bool_)
   return MethodCost(tuple(users), flops(server.weighted_mean, kernels, present))
+
+
+def _simclr(config, groups, states, public, num_batches) -> list[float]:
+  batch = jax.tree.map(lambda x: x[: config.batch_size], public)
+  users = []
+  for group, state in zip(groups, states, strict=True):
+    tx = fedmuscle.cl_optimizer(group.tx)
+    loss = simclr.simclr_loss(group, config)
+
+    def cl_step(params, cl_opt, shared, batch, key, tx=tx, loss=loss):
+      grads = jax.grad(loss)(params, shared, batch, key)
+      grads = jax.tree.map(lambda g, m: g * m, grads, fedmuscle.representation_mask(grads))
+      updates, cl_opt = tx.update(grads, cl_opt, params)
+      return optax.apply_updates(params, updates), cl_opt
+
+    params = _client0(state.params)
+    args = (params, tx.init(params), state.shared, batch, jax.random.key(0))
+    users.append(num_batches * flops(cl_step, *args))
+  return users
+
+
+def _pseudo_label(config, groups, states, train_data, public) -> list[float]:
+  num_public = jax.tree.leaves(public)[0].shape[0]
+  label_batch = min(config.label_batch_size, num_public)
+  users = []
+  for group, state, data in zip(groups, states, train_data, strict=True):
+    x = group.task.inputs(jax.tree.map(lambda v: v[:label_batch], public))
+    params = _client0(state.params)
+    forward = lambda p, shared, x, group=group: pseudo_label.pseudo_labels(
+      group.task, group.merge(p, shared)(x)
+    )
+    labelling = math.ceil(num_public / label_batch) * flops(forward, params, state.shared, x)
+    n = data.sample_mask.shape[1] + num_public
+    steps = group.local_epochs * max(1, math.ceil(n / group.batch_size))
+    users.append(labelling + steps * step_flops(group, state, data, _supervised(group)))
+  return users
+
+
+def _supervised(group: GroupDef):
+  return functools.partial(supervised_objective, group)

@@ -35,7 +35,15 @@ import numpy as np
 import optax
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl, local_training
+from fedjax_mm.algorithms import (
+  feddf,
+  fedhenn,
+  fedmuscle,
+  fedrcl,
+  local_training,
+  pseudo_label,
+  simclr,
+)
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.runner import cost as cost_lib
 from fedjax_mm.runner import loop, validation
@@ -53,19 +61,28 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 #: Every method ``config.methods`` may name, in the report's column order.
-METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "local")
+METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "simclr", "pseudo_label", "local")
 #: The report's names of the methods (FedMuscle's adds its loss).
-LABELS = {"feddf": "FedDF", "fedhenn": "FedHeNN", "fedrcl": "FedRCL", "local": "local"}
+LABELS = {
+  "feddf": "FedDF",
+  "fedhenn": "FedHeNN",
+  "fedrcl": "FedRCL",
+  "simclr": "SimCLR (alone)",
+  "pseudo_label": "Curriculum Labeling (alone)",
+  "local": "local",
+}
 #: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
 BYTES_NOTE = (
   "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
   "trained parameters up and the fused ones down, for users that have a partner to average "
-  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way."
+  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way. SimCLR and "
+  "Curriculum Labeling train each user alone: nothing."
 )
 #: What ``config.methods`` runs when the config has no such key.
 DEFAULT_METHODS = ("fedmuscle", "local")
-#: The metrics.jsonl keys of per-user losses a method's round reports (``<user>/<key>``).
-USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance")
+#: The metrics.jsonl keys of per-user values a method's round reports (``<user>/<key>``):
+#: losses, and the share of the public set a pseudo-labelling user trained on.
+USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "kept")
 #: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
 #: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
 #: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
@@ -357,6 +374,18 @@ def algorithms(config, users, groups) -> dict[str, Any]:
     "fedrcl": lambda: fedrcl.fedrcl(
       groups, fedrcl.FedRCLConfig(**_baseline_config(config, "fedrcl")), architectures=archs
     ),
+    "simclr": lambda: simclr.simclr(
+      groups,
+      simclr.SimCLRConfig(
+        batch_size=mc.batch_size, cl_epochs=mc.cl_epochs, **_baseline_config(config, "simclr")
+      ),
+    ),
+    "pseudo_label": lambda: pseudo_label.pseudo_label(
+      groups,
+      pseudo_label.PseudoLabelConfig(
+        num_rounds=config.rounds, **_baseline_config(config, "pseudo_label")
+      ),
+    ),
     "local": lambda: local_training(groups),
   }
   return {m: make[m]() for m in methods_of(config)}
@@ -386,6 +415,9 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
     "feddf": (params * partner, params * partner),
     "fedrcl": (params * classmate, params * classmate),
     "fedhenn": (kernel, kernel),
+    # Each user alone: nothing crosses the wire (a ledger of zeros, not a missing one).
+    "simclr": (np.zeros(len(users), np.int64),) * 2,
+    "pseudo_label": (np.zeros(len(users), np.int64),) * 2,
   }
   return {m: v for m, v in out.items() if m in methods}
 
