@@ -39,6 +39,10 @@ def _split(loss, batch=8, partners=2, dim=16):
 
 
 def test_gramian_costs_the_user_more_than_muscle():
+  # On this tiny setting (B = 8, M = 2, d = 16) only. The Muscle user's exp-domain
+  # contraction grows as B^(M+1), the Gramian's determinants as B^2 (M+1)^3: at the
+  # default B = 32, M = 3, d = 256 XLA counts the Muscle user's loss and gradient at
+  # 7.7 MFLOPs per batch and the Gramian's at 3.7 (both far below the encoder's).
   muscle_user, muscle_server = _split("muscle")
   gramian_user, gramian_server = _split("gramian")
   assert gramian_user > muscle_user > 0
