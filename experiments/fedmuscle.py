@@ -34,6 +34,10 @@ models, one column each with its Delta against local training::
 
 (FedDF, FedHeNN, FedRCL: ``fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py``,
 each docstring lists its adaptations; their settings are ``config.baselines``.)
+Table 1's methods "trained individually", each user alone on the public set,
+are ``simclr`` and ``pseudo_label`` (Curriculum Labeling;
+``fedjax_mm/algorithms/{simclr,pseudo_label}.py``). The report also gives each
+method's FLOPs per round, users and server apart (``config.count_flops``).
 
 ``:paper_setup1`` / ``:paper_setup2`` are the paper's Setup1 / Setup2 as its
 Sec. 6 and Apps. G-H state them: 6 (10) users with ViT-Base / -Small / -Large
@@ -177,10 +181,19 @@ def get_config(arg=None):
       "feddf": {"distill_epochs": 1, "temperature": 1.0},
       "fedhenn": {"eta": 1.0, "rad_size": 32},
       "fedrcl": {"tau": 0.05, "threshold": 0.7, "beta": 1.0, "weight": 1.0, "min_jaccard": 0.5},
+      # Each user alone (fedjax_mm/algorithms/{simclr,pseudo_label}.py): SimCLR's CL steps
+      # take FedMuscle's batches (muscle.batch_size, muscle.cl_epochs); Curriculum Labeling
+      # keeps 20 more percent of the public set per stage, stages spread over the rounds.
+      "simclr": {"tau": 0.2, "min_crop": 0.8, "noise": 0.05},
+      "pseudo_label": {"step": 0.2, "label_batch_size": 64},
     }
   )
 
   config.faults = faults_config()  # experiments/faults.py: all off
+  # FLOPs per round of every method, users and server apart, from XLA's cost analysis of
+  # each method's compiled steps (fedjax_mm/runner/cost.py): counted once at start-up
+  # (a few compiles per user and method), reported beside Delta.
+  config.count_flops = True
 
   if arg == "cnn_m":
     # Every user on the shipped cnn_m: encoders of one quality, as the paper's
@@ -209,6 +222,7 @@ def get_config(arg=None):
     config.muscle.num_partners = 2
     config.muscle.batch_size = 8
     config.baselines.fedhenn.rad_size = 8
+    config.count_flops = False  # compiles; tests/test_cost.py counts the smoke users
   elif arg in ("paper_setup1", "paper_setup2"):
     _paper(config, int(arg[-1]))
   elif arg is not None:

@@ -1,4 +1,4 @@
-"""FedMuscle's Table 1 baselines: FedDF, FedHeNN, FedRCL.
+"""FedMuscle's Table 1 baselines: FedDF, FedHeNN, FedRCL, SimCLR and Curriculum Labeling.
 
 Losses and the cross-group average against numpy written from the papers'
 formulas; FedDF never mixes tasks; FedRCL reads no public data; every method
@@ -284,9 +284,23 @@ def test_report_has_a_column_and_a_delta_per_method():
   history = [{"run": m, "round": 1, "delta": 0.0} for m in runner.METHODS[:-1]]
   outcome = loop.Outcome(final, history, {"fedmuscle": ledger.Ledger.zeros(len(users))}, 1.0, 0)
   traffic = runner._bytes_per_round(config, 2)
-  report = runner._report(config, runner.METHODS, users, groups, traffic, trivial, outcome)
+  costs = {
+    m: runner.cost_lib.MethodCost((1e9, 2e9, 0.0, 0.0, 0.5e9), 3e9 * i)
+    for i, m in enumerate(runner.METHODS)
+  }
+  report = runner._report(
+    config, runner.METHODS, users, groups, traffic, trivial, outcome, costs=costs
+  )
+  assert report.results["flops_per_round"]["feddf"] == {
+    "users": [1e9, 2e9, 0.0, 0.0, 0.5e9],
+    "users_total": 3.5e9,
+    "server": 3e9,
+  }
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in report.text.splitlines()]
+  flops_row = [r for r in rows if r and r[0] == "FedDF" and len(r) == 5][0]
+  assert flops_row[1:4] == ["3.5", "1 / 2 / 0 / 0 / 0.5", "3"]
   deltas = report.results["deltas"]
-  assert list(deltas) == ["fedmuscle", "feddf", "fedhenn", "fedrcl"]
+  assert list(deltas) == ["fedmuscle", "feddf", "fedhenn", "fedrcl", "simclr", "pseudo_label"]
   for i, m in enumerate(deltas):  # user 1 gains 0.1 i / 0.5; user 3 (local 0) is left out
     assert deltas[m] == pytest.approx(0.1 * i / 0.5 / 4)
     assert report.results[m] == final[m]
@@ -305,3 +319,5 @@ def test_baseline_bytes_count_only_users_with_a_partner():
   np.testing.assert_array_equal(down, up)
   np.testing.assert_array_equal(sent["fedrcl"][0], [0, 0, 0, params[3], params[4]])
   np.testing.assert_array_equal(sent["fedhenn"][0], [4 * 8 * 8] * 5)  # an 8 x 8 float32 kernel
+  for alone in ("simclr", "pseudo_label"):  # each user alone: a ledger of zeros
+    np.testing.assert_array_equal(np.stack(sent[alone]), np.zeros((2, 5)))

@@ -40,6 +40,7 @@ equivalently, its ``[R, d]`` representations) and downloads ``K_bar``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -69,6 +70,26 @@ class FedHeNNConfig:
 def representations(group: GroupDef, params, shared, x: Array) -> Array:
   """``z`` ``[K, R, d]`` of every client of a group on the same inputs."""
   return jax.vmap(lambda p: group.merge(p, shared).represent(x))(params)
+
+
+def proximal_objective(config: FedHeNNConfig, group: GroupDef, shared, *, x: Array, target: Array):
+  """One client's FedHeNN objective: task loss + ``eta (1 - CKA(K(W, X), K_bar))``.
+
+  Args:
+    config: the proximal term's weight.
+    group: the client's group; ``shared`` its frozen parameters.
+    x: ``[R, ...]`` the round's alignment inputs.
+    target: ``[R, R]`` the server's ``K_bar``.
+  """
+
+  def objective(params, batch, batch_mask, step_key):
+    model = group.merge(params, shared)
+    outputs = model(group.task.inputs(batch, step_key))
+    task_loss = group.task.loss(outputs, batch[group.task.target_key], batch_mask)
+    proximal = losses.cka_distance(model.represent(x), target)
+    return task_loss + config.eta * proximal, {"cka_distance": proximal}
+
+  return objective
 
 
 def fedhenn(groups: Sequence[GroupDef], config: FedHeNNConfig) -> Algorithm:
@@ -101,17 +122,7 @@ def fedhenn(groups: Sequence[GroupDef], config: FedHeNNConfig) -> Algorithm:
 
     new_groups, stats = [], {}
     for group, client_state, client_data, x in zip(groups, state.groups, data, inputs, strict=True):
-
-      def objective_fn(group, shared, x=x):
-        def objective(params, batch, batch_mask, step_key):
-          model = group.merge(params, shared)
-          outputs = model(group.task.inputs(batch, step_key))
-          task_loss = group.task.loss(outputs, batch[group.task.target_key], batch_mask)
-          proximal = losses.cka_distance(model.represent(x), target)
-          return task_loss + config.eta * proximal, {"cka_distance": proximal}
-
-        return objective
-
+      objective_fn = functools.partial(proximal_objective, config, x=x, target=target)
       client_state, group_stats = train_group(
         group, client_state, client_data, objective_fn=objective_fn
       )

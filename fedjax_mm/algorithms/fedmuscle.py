@@ -190,6 +190,37 @@ def _flatten_users(per_group: Sequence[Array]) -> Array:
   return jnp.concatenate(list(per_group), axis=0)
 
 
+def server_targets(config: MuscleConfig, others: Array) -> PyTree:
+  """What the server computes for ONE user from its partners' ``Z^m`` ``[M, B, d]``.
+
+  The Muscle loss's server half (``muscle_server_targets``, or the paper's
+  ``S^n, alpha^n``); the partners' matrices themselves for ``pairwise`` and
+  ``gramian``, whose whole loss is the user's.
+  """
+  tau, gamma = config.tau_full, config.gamma
+  if config.loss == "muscle" and config.downlink == "factored":
+    return losses.muscle_server_targets(others, tau=tau, gamma=gamma)
+  if config.loss == "muscle":
+    return losses.muscle_paper_targets(others, tau=tau, gamma=gamma)
+  return others
+
+
+def user_loss(config: MuscleConfig) -> Callable[[Array, PyTree], Array]:
+  """``(Z^n [B, d], targets) -> mean loss``: the user's half of its contrastive loss."""
+  tau = config.tau_full
+  if config.loss == "muscle" and config.downlink == "factored":
+    # tau and gamma are static config: the client may contract in the exp domain.
+    logit_range = losses.muscle_logit_range(tau, config.gamma, config.num_partners)
+    return lambda z_n, t: losses.muscle_client_loss(
+      z_n, t, chunk_size=config.chunk_size, logit_range=logit_range
+    ).mean()
+  if config.loss == "muscle":
+    return lambda z_n, t: losses.muscle_loss_from_paper_targets(z_n, *t).mean()
+  if config.loss == "pairwise":
+    return lambda z_n, o: losses.pairwise_info_nce(z_n, o, tau=tau).mean()
+  return lambda z_n, o: losses.gramian_loss(z_n, o, tau=tau).mean()
+
+
 def user_gradients(config: MuscleConfig, z: Array, partners: Array) -> tuple[Array, Array]:
   """Server targets and each user's loss gradient w.r.t. its own ``Z^n``.
 
@@ -203,25 +234,8 @@ def user_gradients(config: MuscleConfig, z: Array, partners: Array) -> tuple[Arr
     gradient flows only into its own representation.
   """
   others = jax.lax.stop_gradient(z[partners])  # [N, M, B, d]: what the server combines.
-  tau, gamma = config.tau_full, config.gamma
-
-  if config.loss == "muscle" and config.downlink == "factored":
-    targets = jax.vmap(lambda o: losses.muscle_server_targets(o, tau=tau, gamma=gamma))(others)
-    # tau and gamma are static config: the client may contract in the exp domain.
-    logit_range = losses.muscle_logit_range(tau, gamma, config.num_partners)
-    user_loss = lambda z_n, t: losses.muscle_client_loss(
-      z_n, t, chunk_size=config.chunk_size, logit_range=logit_range
-    ).mean()
-  elif config.loss == "muscle":
-    targets = jax.vmap(lambda o: losses.muscle_paper_targets(o, tau=tau, gamma=gamma))(others)
-    user_loss = lambda z_n, t: losses.muscle_loss_from_paper_targets(z_n, *t).mean()
-  elif config.loss == "pairwise":
-    targets = others
-    user_loss = lambda z_n, o: losses.pairwise_info_nce(z_n, o, tau=tau).mean()
-  else:
-    targets = others
-    user_loss = lambda z_n, o: losses.gramian_loss(z_n, o, tau=tau).mean()
-  return jax.vmap(jax.value_and_grad(user_loss))(z, targets)
+  targets = jax.vmap(functools.partial(server_targets, config))(others)
+  return jax.vmap(jax.value_and_grad(user_loss(config)))(z, targets)
 
 
 def downlink_shapes(config: MuscleConfig, dim: int) -> PyTree:

@@ -38,6 +38,7 @@ Adaptation to FedMuscle's users, every choice:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -88,6 +89,24 @@ def positives(task: Task, targets: Array, *, min_jaccard: float = 0.5) -> Array:
   return losses.set_positives(present[:, 1:], min_jaccard=min_jaccard)  # 0 is background
 
 
+def rcl_objective(config: FedRCLConfig, group: GroupDef, shared):
+  """One client's FedRCL objective: task loss + ``w`` x the relaxed contrastive term."""
+
+  def objective(params, batch, batch_mask, key):
+    model = group.merge(params, shared)
+    z, outputs = model.forward(group.task.inputs(batch, key))
+    targets = batch[group.task.target_key]
+    task_loss = group.task.loss(outputs, targets, batch_mask)
+    pos = positives(group.task, targets, min_jaccard=config.min_jaccard)
+    rcl = losses.relaxed_contrastive_loss(
+      z, pos, tau=config.tau, threshold=config.threshold, beta=config.beta, where=batch_mask
+    )
+    rcl = masked_mean(rcl, batch_mask)
+    return task_loss + config.weight * rcl, {"rcl": rcl}
+
+  return objective
+
+
 def fedrcl(
   groups: Sequence[GroupDef],
   config: FedRCLConfig,
@@ -109,20 +128,7 @@ def fedrcl(
   tasks = classes_of(g.task for g in groups)
   fusion = classes_of(zip(tasks, architectures, strict=True))
 
-  def objective_fn(group: GroupDef, shared):
-    def objective(params, batch, batch_mask, key):
-      model = group.merge(params, shared)
-      z, outputs = model.forward(group.task.inputs(batch, key))
-      targets = batch[group.task.target_key]
-      task_loss = group.task.loss(outputs, targets, batch_mask)
-      pos = positives(group.task, targets, min_jaccard=config.min_jaccard)
-      rcl = losses.relaxed_contrastive_loss(
-        z, pos, tau=config.tau, threshold=config.threshold, beta=config.beta, where=batch_mask
-      )
-      rcl = masked_mean(rcl, batch_mask)
-      return task_loss + config.weight * rcl, {"rcl": rcl}
-
-    return objective
+  objective_fn = functools.partial(rcl_objective, config)
 
   def init(states: Sequence[ClientState], key: Array) -> FederatedState:
     check_same_shapes(states, fusion)

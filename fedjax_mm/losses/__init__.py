@@ -58,6 +58,7 @@ from fedjax_mm.losses.muscle import (
   muscle_paper_targets,
   muscle_server_targets,
 )
+from fedjax_mm.losses.simclr import nt_xent
 
 __all__ = [
   "DEFAULT_CHUNK_ELEMENTS",
@@ -94,6 +95,7 @@ __all__ = [
   "muscle_loss_from_paper_targets",
   "muscle_paper_targets",
   "muscle_server_targets",
+  "nt_xent",
   "pairwise_info_nce",
   "relaxed_contrastive_loss",
   "representation_distance",

@@ -35,8 +35,17 @@ import numpy as np
 import optax
 
 from fedjax_mm import core, data, metrics, models
-from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl, local_training
+from fedjax_mm.algorithms import (
+  feddf,
+  fedhenn,
+  fedmuscle,
+  fedrcl,
+  local_training,
+  pseudo_label,
+  simclr,
+)
 from fedjax_mm.core import ledger as ledger_lib
+from fedjax_mm.runner import cost as cost_lib
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner import text as text_lib
@@ -52,19 +61,28 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 #: Every method ``config.methods`` may name, in the report's column order.
-METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "local")
+METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "simclr", "pseudo_label", "local")
 #: The report's names of the methods (FedMuscle's adds its loss).
-LABELS = {"feddf": "FedDF", "fedhenn": "FedHeNN", "fedrcl": "FedRCL", "local": "local"}
+LABELS = {
+  "feddf": "FedDF",
+  "fedhenn": "FedHeNN",
+  "fedrcl": "FedRCL",
+  "simclr": "SimCLR (alone)",
+  "pseudo_label": "Curriculum Labeling (alone)",
+  "local": "local",
+}
 #: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
 BYTES_NOTE = (
   "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
   "trained parameters up and the fused ones down, for users that have a partner to average "
-  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way."
+  "or distil with (the others send nothing). FedHeNN: one R x R kernel each way. SimCLR and "
+  "Curriculum Labeling train each user alone: nothing."
 )
 #: What ``config.methods`` runs when the config has no such key.
 DEFAULT_METHODS = ("fedmuscle", "local")
-#: The metrics.jsonl keys of per-user losses a method's round reports (``<user>/<key>``).
-USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance")
+#: The metrics.jsonl keys of per-user values a method's round reports (``<user>/<key>``):
+#: losses, and the share of the public set a pseudo-labelling user trained on.
+USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "kept")
 #: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
 #: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
 #: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
@@ -356,6 +374,18 @@ def algorithms(config, users, groups) -> dict[str, Any]:
     "fedrcl": lambda: fedrcl.fedrcl(
       groups, fedrcl.FedRCLConfig(**_baseline_config(config, "fedrcl")), architectures=archs
     ),
+    "simclr": lambda: simclr.simclr(
+      groups,
+      simclr.SimCLRConfig(
+        batch_size=mc.batch_size, cl_epochs=mc.cl_epochs, **_baseline_config(config, "simclr")
+      ),
+    ),
+    "pseudo_label": lambda: pseudo_label.pseudo_label(
+      groups,
+      pseudo_label.PseudoLabelConfig(
+        num_rounds=config.rounds, **_baseline_config(config, "pseudo_label")
+      ),
+    ),
     "local": lambda: local_training(groups),
   }
   return {m: make[m]() for m in methods_of(config)}
@@ -385,6 +415,9 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
     "feddf": (params * partner, params * partner),
     "fedrcl": (params * classmate, params * classmate),
     "fedhenn": (kernel, kernel),
+    # Each user alone: nothing crosses the wire (a ledger of zeros, not a missing one).
+    "simclr": (np.zeros(len(users), np.int64),) * 2,
+    "pseudo_label": (np.zeros(len(users), np.int64),) * 2,
   }
   return {m: v for m, v in out.items() if m in methods}
 
@@ -435,6 +468,17 @@ def experiment(config) -> loop.Experiment:
     ]
 
   traffic = _bytes_per_round(config, config.public.size // mc.batch_size)
+  costs = None
+  if config.get("count_flops", False):  # compiled once here, nothing trained
+    costs = cost_lib.method_costs(
+      config,
+      methods,
+      groups,
+      states,
+      train_data,
+      public,
+      architectures=tuple(_architecture(config, u) for u in users),
+    )
   sent = _baseline_bytes(config, methods, users, states)
   sent["fedmuscle"] = (
     np.full(len(users), traffic["up"]),
@@ -469,7 +513,9 @@ def experiment(config) -> loop.Experiment:
     nonfinite=lambda out: [users[i].name for i in np.flatnonzero(~np.asarray(out["finite"]))],
     scalars=scalars,
     runs=methods,
-    report=lambda outcome: _report(config, methods, users, groups, traffic, trivial, outcome),
+    report=lambda outcome: _report(
+      config, methods, users, groups, traffic, trivial, outcome, costs=costs
+    ),
     traffic=lambda name, out: sent.get(name),
     postfix=postfix,
   )
@@ -524,7 +570,38 @@ def _downlink_note(downlink: str) -> str:
   )
 
 
-def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outcome) -> loop.Report:
+def flops_table(config, methods, users, costs, deltas) -> str:
+  """Per method: users' GFLOPs per round (sum and per user), the server's, and Delta."""
+  giga = lambda x: f"{x / 1e9:.4g}"  # 4 significant digits: servers may do little
+  rows = [
+    [
+      label(config, m),
+      giga(sum(costs[m].users)),
+      " / ".join(giga(x) for x in costs[m].users),
+      giga(costs[m].server),
+      report_lib.percent(deltas[m]) if m in deltas else "(reference)",
+    ]
+    for m in methods
+  ]
+  per_user = "per user (" + ", ".join(str(u.index + 1) for u in users) + ")"
+  return report_lib.format_table(
+    ["method", "users, GFLOPs/round", per_user, "server, GFLOPs/round", "Delta"], rows
+  )
+
+
+#: What the FLOPs table counts (fedjax_mm/runner/cost.py).
+FLOPS_NOTE = (
+  "XLA's cost analysis of each method's steps, compiled once at start-up on each user's "
+  "model and multiplied by the steps a round runs (fedjax_mm/runner/cost.py): users' local "
+  "steps and (FedMuscle) their CL steps; the server's targets (FedMuscle), distillation "
+  "(FedDF), kernel mean (FedHeNN), parameter averages (FedDF, FedRCL). Transcendentals "
+  "(exp, log) and evaluation are not counted."
+)
+
+
+def _report(
+  config, methods, users, groups, traffic, trivial, outcome: loop.Outcome, *, costs=None
+) -> loop.Report:
   """Table 1 of the paper for this run: per user, every method vs local training, Delta, bytes."""
   final, history = outcome.final, outcome.history
   fmt = report_lib.format_table
@@ -637,6 +714,11 @@ def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outc
     )
   if "traffic_total_by_method" in result:
     sections.append(("Communication of every method (ledgers)", bytes_table + "\n\n" + BYTES_NOTE))
+  compute_table = None
+  if costs is not None:
+    result["flops_per_round"] = {m: costs[m].to_dict() for m in methods}
+    compute_table = flops_table(config, methods, users, costs, deltas)
+    sections.append(("Computation per round (FLOPs)", compute_table + "\n\n" + FLOPS_NOTE))
   title = (
     "FedMuscle vs local training"
     if list(methods) == ["fedmuscle", "local"]
@@ -646,6 +728,7 @@ def _report(config, methods, users, groups, traffic, trivial, outcome: loop.Outc
     [table]
     + ([] if single else [delta_table])
     + ([sections_traffic] if sections_traffic else [])
+    + ([compute_table] if compute_table else [])
     + [summary]
   )
   return loop.Report(

@@ -158,6 +158,11 @@ FEDMUSCLE: dict[str, Range] = {
   "baselines.fedrcl.beta": NON_NEGATIVE,
   "baselines.fedrcl.weight": NON_NEGATIVE,
   "baselines.fedrcl.min_jaccard": FRACTION,
+  "baselines.simclr.tau": POSITIVE,
+  "baselines.simclr.min_crop": Range(0, 1, low_open=True),
+  "baselines.simclr.noise": NON_NEGATIVE,
+  "baselines.pseudo_label.step": Range(0, 1, low_open=True),
+  "baselines.pseudo_label.label_batch_size": COUNT,
   **FAULTS,
 }
 

@@ -1,0 +1,67 @@
+"""FLOPs from XLA's cost analysis: what is counted, and each method's split users / server."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import fedmuscle as fedmuscle_config
+from fedjax_mm.algorithms import fedmuscle
+from fedjax_mm.core.cost import flops
+from fedjax_mm.runner import cost
+from fedjax_mm.runner import fedmuscle as runner
+
+
+@pytest.mark.parametrize("m,k,n", [(8, 16, 4), (3, 5, 7), (32, 256, 32)])
+def test_a_matmul_counts_two_m_n_k(m, k, n):
+  a, b = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32)
+  assert flops(jnp.matmul, a, b) == 2 * m * n * k
+
+
+def test_a_loop_body_counts_once():
+  # Why runner/cost.py counts one step and multiplies: XLA ignores the trip count.
+  a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  chained = lambda a, w: jax.lax.fori_loop(0, 10, lambda i, x: x @ w, a)
+  assert 2 * 8 * 16 * 16 <= flops(chained, a, w) < 2 * (2 * 8 * 16 * 16)
+
+
+def _split(loss, batch=8, partners=2, dim=16):
+  """(user FLOPs: loss and gradient w.r.t. Z^n; server FLOPs: its targets) of one user."""
+  mc = fedmuscle.MuscleConfig(num_partners=partners, batch_size=batch, loss=loss)
+  z = jax.ShapeDtypeStruct((batch, dim), jnp.float32)
+  others = jax.ShapeDtypeStruct((partners, batch, dim), jnp.float32)
+  server = functools.partial(fedmuscle.server_targets, mc)
+  targets = jax.eval_shape(server, others)
+  user = jax.value_and_grad(fedmuscle.user_loss(mc))
+  return flops(user, z, targets), flops(server, others)
+
+
+def test_gramian_costs_the_user_more_than_muscle():
+  # On this tiny setting (B = 8, M = 2, d = 16) only. The Muscle user's exp-domain
+  # contraction grows as B^(M+1), the Gramian's determinants as B^2 (M+1)^3: at the
+  # default B = 32, M = 3, d = 256 XLA counts the Muscle user's loss and gradient at
+  # 7.7 MFLOPs per batch and the Gramian's at 3.7 (both far below the encoder's).
+  muscle_user, muscle_server = _split("muscle")
+  gramian_user, gramian_server = _split("gramian")
+  assert gramian_user > muscle_user > 0
+  assert muscle_server > 0  # the partners' terms: the server's work
+  assert gramian_server == 0  # the server only forwards the partners' Z^m
+
+
+def test_method_costs_split_users_and_server():
+  config = fedmuscle_config.get_config("smoke")
+  users, groups, states, train, _, public, _ = runner.build(config)
+  archs = tuple(runner._architecture(config, u) for u in users)
+  methods = ["fedmuscle", "simclr", "pseudo_label", "local"]
+  costs = cost.method_costs(config, methods, groups, states, train, public, architectures=archs)
+  local, muscle = costs["local"], costs["fedmuscle"]
+  assert local.server == 0 and muscle.server > 0
+  assert all(m > loc > 0 for m, loc in zip(muscle.users, local.users, strict=True))
+  # Same task, different encoders (users 1 and 3 are cnn_s, user 2 a vit_t): different costs.
+  assert local.users[0] != local.users[1]
+  assert costs["fedmuscle"].to_dict()["users_total"] == sum(muscle.users)
+  for alone in ("simclr", "pseudo_label"):  # no server; more work than local training
+    assert costs[alone].server == 0
+    assert all(a > loc for a, loc in zip(costs[alone].users, local.users, strict=True))
