@@ -37,7 +37,8 @@ each docstring lists its adaptations; their settings are ``config.baselines``.)
 Table 1's methods "trained individually", each user alone on the public set,
 are ``simclr`` and ``pseudo_label`` (Curriculum Labeling;
 ``fedjax_mm/algorithms/{simclr,pseudo_label}.py``). The report also gives each
-method's FLOPs per round, users and server apart (``config.count_flops``).
+method's FLOPs per round, users and server apart, with ``--config.count_flops=True``
+(off by default: the extra compiles add minutes to the start of a run on 2 cores).
 
 ``:paper_setup1`` / ``:paper_setup2`` are the paper's Setup1 / Setup2 as its
 Sec. 6 and Apps. G-H state them: 6 (10) users with ViT-Base / -Small / -Large
@@ -192,8 +193,9 @@ def get_config(arg=None):
   config.faults = faults_config()  # experiments/faults.py: all off
   # FLOPs per round of every method, users and server apart, from XLA's cost analysis of
   # each method's compiled steps (fedjax_mm/runner/cost.py): counted once at start-up
-  # (a few compiles per user and method), reported beside Delta.
-  config.count_flops = True
+  # (a few compiles per user and method), reported beside Delta. Off by default: on 2
+  # shared cores it added minutes to the main command's start-up.
+  config.count_flops = False
 
   if arg == "cnn_m":
     # Every user on the shipped cnn_m: encoders of one quality, as the paper's
