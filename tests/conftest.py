@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: E402
 
 
 @pytest.fixture
@@ -42,9 +43,16 @@ def main_cache(tmp_path_factory):
 @pytest.fixture
 def compilation_cache(tmp_path):
   """A persistent compilation cache for this test only: the resumed run reuses the
-  first run's executables instead of compiling them again."""
+  first run's executables instead of compiling them again.
+
+  JAX opens its persistent cache once per process and keeps it open whatever the config
+  says later, so the fixture resets it on both sides: without that, every later test of
+  the session read and wrote this test's cache (a CI run segfaulted inside such a read,
+  in a test that never asked for a cache).
+  """
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
   previous = {name: getattr(jax.config, name) for name in names}
+  cc.reset_cache()
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   try:
@@ -52,3 +60,4 @@ def compilation_cache(tmp_path):
   finally:
     for name, value in previous.items():
       jax.config.update(name, value)
+    cc.reset_cache()
