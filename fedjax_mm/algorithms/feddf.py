@@ -37,7 +37,7 @@ adaptation. Every choice made here:
   segmentation (:mod:`fedjax_mm.losses.feddf`); temperature 1 (the paper's).
 * **Budget**: ``distill_epochs`` passes over the public set in batches of
   ``batch_size``, the same batches in the same order as FedMuscle's CL epochs
-  (:func:`fedjax_mm.algorithms.fedmuscle.public_batches` from the same round
+  (:func:`fedjax_mm.algorithms.fedmuscle.public_epochs` from the same round
   key), so the comparison is paired; the paper instead runs a fixed number of
   Adam steps with early stopping on a held-out set, which the users here do
   not have. The distillation optimizer is the group's own (AdamW at the
@@ -61,7 +61,7 @@ import optax
 
 from fedjax_mm import losses, server
 from fedjax_mm.algorithms.base import Algorithm, FederatedState, check_same_shapes, classes_of
-from fedjax_mm.algorithms.fedmuscle import public_batches
+from fedjax_mm.algorithms.fedmuscle import public_epochs
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 
 Array = jax.Array
@@ -171,11 +171,14 @@ def feddf(
           batch_losses[g] = loss
       return (params, opts), batch_losses
 
-    epoch_losses = []
-    for epoch in range(config.distill_epochs if students else 0):
-      batches, keys = public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
-      (params, opts), batch_losses = jax.lax.scan(step, (params, opts), (batches, keys))
-      epoch_losses.append({g: v.mean(0) for g, v in batch_losses.items()})
+    (params, opts), epoch_loss = public_epochs(
+      step,
+      (params, opts),
+      key,
+      public,
+      batch_size=config.batch_size,
+      epochs=config.distill_epochs if students else 0,
+    )
 
     new_groups, distill_loss = [], []
     for g, (client_state, d) in enumerate(zip(trained, data, strict=True)):
@@ -192,8 +195,8 @@ def feddf(
           params[g],
           fused[g],
         )
-        if epoch_losses:
-          loss = jnp.where(receive, jnp.mean(jnp.stack([e[g] for e in epoch_losses]), 0), 0.0)
+        if epoch_loss is not None:
+          loss = jnp.where(receive, epoch_loss[g], 0.0)
       new_groups.append(client_state.replace(params=new_params))
       distill_loss.append(loss)
     stats["distill_loss"] = jnp.concatenate(distill_loss)

@@ -269,6 +269,27 @@ def public_batches(key: Array, public: dict[str, Array], batch_size: int):
   return batches, keys
 
 
+def public_epochs(
+  step, carry, key: Array, public: dict[str, Array], *, batch_size: int, epochs: int
+):
+  """``epochs`` passes of a scanned ``step(carry, (batch, key))`` over the public set.
+
+  Epoch ``e`` takes :func:`public_batches` of ``fold_in(key, e)``, so every method
+  that calls this with the round's key (FedMuscle's CL epochs, SimCLR's, FedDF's
+  distillation) sees the same batches in the same order. Returns the final carry
+  and the mean over epochs of each epoch's mean output over its batches (``None``
+  when ``epochs`` is 0).
+  """
+  per_epoch = []
+  for epoch in range(epochs):
+    batches, keys = public_batches(jax.random.fold_in(key, epoch), public, batch_size)
+    carry, out = jax.lax.scan(step, carry, (batches, keys))
+    per_epoch.append(jax.tree.map(lambda x: x.mean(0), out))
+  if not per_epoch:
+    return carry, None
+  return carry, jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs), 0), *per_epoch)
+
+
 def fedmuscle(
   groups: Sequence[GroupDef],
   config: MuscleConfig,
@@ -382,16 +403,14 @@ def fedmuscle(
       new_groups.append(client_state)
       stats[group.name] = group_stats
 
-    carry = (tuple(new_groups), state.cl_opt_state)
-    cl_losses = []
-    for epoch in range(config.cl_epochs):
-      batches, keys = public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
-      carry, batch_losses = jax.lax.scan(
-        functools.partial(cl_batch, data=data, masks=masks), carry, (batches, keys)
-      )
-      cl_losses.append(batch_losses.mean(0))
-    new_groups, cl_opt_state = carry
-    stats["cl_loss"] = jnp.mean(jnp.stack(cl_losses), 0) if cl_losses else None
+    (new_groups, cl_opt_state), stats["cl_loss"] = public_epochs(
+      functools.partial(cl_batch, data=data, masks=masks),
+      (tuple(new_groups), state.cl_opt_state),
+      key,
+      public,
+      batch_size=config.batch_size,
+      epochs=config.cl_epochs,
+    )
     new_state = state.replace(round=state.round + 1, groups=new_groups, cl_opt_state=cl_opt_state)
     return new_state, stats
 

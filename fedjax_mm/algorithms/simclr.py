@@ -11,7 +11,7 @@ public data, nothing is sent. One round here:
    ``E`` epochs (:func:`fedjax_mm.core.train_group`), as FedMuscle's line 5.
 2. **CL epochs**: ``T`` passes over the public set in batches of ``B``, the
    same batches in the same order as FedMuscle's
-   (:func:`fedjax_mm.algorithms.fedmuscle.public_batches` from the same round
+   (:func:`fedjax_mm.algorithms.fedmuscle.public_epochs` from the same round
    key). Per batch every user draws two augmented views of each sample,
    encodes both with its representation model ``w^n`` and takes one step on
    the NT-Xent loss; its head is untouched (the CL optimizer is FedMuscle's,
@@ -63,7 +63,7 @@ from fedjax_mm.algorithms.base import Algorithm
 from fedjax_mm.algorithms.fedmuscle import (
   FedMuscleState,
   cl_optimizer,
-  public_batches,
+  public_epochs,
   representation_mask,
 )
 from fedjax_mm.core import faults as faults_lib
@@ -184,16 +184,14 @@ def simclr(groups: Sequence[GroupDef], config: SimCLRConfig) -> Algorithm:
       client_state, group_stats = train_group(group, client_state, client_data)
       new_groups.append(client_state)
       stats[group.name] = group_stats
-    carry = (tuple(new_groups), state.cl_opt_state)
-    cl_losses = []
-    for epoch in range(config.cl_epochs):
-      batches, keys = public_batches(jax.random.fold_in(key, epoch), public, config.batch_size)
-      carry, batch_losses = jax.lax.scan(
-        lambda c, xs: cl_batch(c, xs, data), carry, (batches, keys)
-      )
-      cl_losses.append(batch_losses.mean(0))
-    new_groups, cl_opt_state = carry
-    stats["cl_loss"] = jnp.mean(jnp.stack(cl_losses), 0) if cl_losses else None
+    (new_groups, cl_opt_state), stats["cl_loss"] = public_epochs(
+      lambda c, xs: cl_batch(c, xs, data),
+      (tuple(new_groups), state.cl_opt_state),
+      key,
+      public,
+      batch_size=config.batch_size,
+      epochs=config.cl_epochs,
+    )
     return state.replace(round=state.round + 1, groups=new_groups, cl_opt_state=cl_opt_state), stats
 
   return Algorithm(init=init, round=round_fn)
