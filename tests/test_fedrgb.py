@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import fedrgb_toys
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,34 +151,7 @@ from fedjax_mm.algorithms import fedrgb as rgb  # noqa: E402
 
 
 def _tiny(method="fedrgb", client_map="vmap", **kw):
-  cfg = rgb.RgbConfig(
-    method=method,
-    stage1_steps=2,
-    stage2_steps=2,
-    batch_size=4,
-    learning_rate=1e-2,
-    client_map=client_map,
-    **kw,
-  )
-  alg, state = rgb.build(
-    cfg,
-    image_encoder="cnn_s",
-    text_encoder="gru",
-    image_size=16,
-    vocab_size=20,
-    max_len=6,
-    dim=8,
-    pretrained=False,
-    key=jax.random.key(0),
-    num_clients=3,
-  )
-  rng = np.random.default_rng(0)
-  arrays = {
-    "images": jnp.asarray(rng.normal(size=(3, 8, 16, 16, 3)), jnp.float32),
-    "captions": jnp.asarray(rng.integers(1, 20, size=(3, 8, 6)), jnp.int32),
-  }
-  mask = jnp.asarray(np.arange(8)[None] < np.array([[8], [6], [5]]))
-  return alg, state, arrays, mask
+  return fedrgb_toys.tiny(method, client_map, **kw)[:4]
 
 
 def _client(tree, c):

@@ -1,38 +1,16 @@
 """FedRGB's distortion matrix and downstream fine-tuning against direct computations."""
 
+import fedrgb_toys
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_mm.algorithms import fedrgb as rgb
 from fedjax_mm.algorithms import fedrgb_eval
 
 
 def _tiny(method="fedrgb"):
-  cfg = rgb.RgbConfig(
-    method=method, stage1_steps=2, batch_size=4, learning_rate=1e-2, client_map="vmap"
-  )
-  alg, state = rgb.build(
-    cfg,
-    image_encoder="cnn_s",
-    text_encoder="gru",
-    image_size=16,
-    vocab_size=20,
-    max_len=6,
-    dim=8,
-    pretrained=False,
-    key=jax.random.key(0),
-    num_clients=3,
-  )
-  rng = np.random.default_rng(0)
-  pairs = lambda n: {
-    "images": jnp.asarray(rng.normal(size=(3, n, 16, 16, 3)), jnp.float32),
-    "captions": jnp.asarray(rng.integers(1, 20, size=(3, n, 6)), jnp.int32),
-  }
-  train, test = pairs(8), pairs(5)
-  mask = jnp.asarray(np.arange(8)[None] < np.array([[8], [6], [5]]))
-  return alg, state, train, mask, test
+  return fedrgb_toys.tiny(method, num_test=5)
 
 
 @pytest.fixture(scope="module")
