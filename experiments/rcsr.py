@@ -13,8 +13,10 @@ encoders (vit_t + transformer_t) with per-block bottleneck adapters and MLP head
 
 (global Recall@K on a shared test set; per-client Rbar@1 on each client's own held-out
 pairs with its std, worst client and best - worst gap). Variant ``:ablations`` runs
-Table 5's and Sec. C.4's ablations beside FedAvg, RCSR and RCSR-p; ``:smoke`` is tiny
-(tests).
+Table 5's and Sec. C.4's ablations (zero and learnable-placeholder fills) beside FedAvg,
+RCSR and RCSR-p; ``:baselines`` runs FedAvg, FedProx, FedPer, pFedMMA, MOON, RCSR and
+RCSR-p (FedPer's global row: the mean over clients of their own models); ``:smoke`` is
+tiny (tests).
 Scaled from Table 3: 200 -> 20 rounds, T_w 20 -> 5, batch 128 -> 32, adapter 64 -> 16,
 heads 512 -> 128, router width 128 -> 32, lr 1e-4 -> 1e-3 (few rounds).
 """
@@ -63,7 +65,8 @@ def get_config(arg=None):
     }
   )
   if arg == "smoke":
-    config.methods = ("fedavg", "rcsr", "rcsr_p")
+    # pFedMMA: its client-specific adapters go through the resume test (no new compile).
+    config.methods = ("fedavg", "rcsr", "rcsr_p", "pfedmma")
     config.rounds = 2
     config.eval_every = 1
     config.checkpoint_every = 1
@@ -96,7 +99,11 @@ def get_config(arg=None):
       "fedavg_personal",
       "rcsr_p_fixed",
       "rcsr_zero_fill",
+      "rcsr_placeholder_fill",
     )
+  elif arg == "baselines":
+    # Table 1's baselines built on RCSR's model beside RCSR and RCSR-p, same data and seeds.
+    config.methods = ("fedavg", "fedprox", "fedper", "pfedmma", "moon", "rcsr", "rcsr_p")
   elif arg:
-    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations.")
+    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations, baselines.")
   return config

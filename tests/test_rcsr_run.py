@@ -45,13 +45,16 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
     "experiments/rcsr.py:smoke", tmp_path / "run", cache_dir=main_cache, timeout=600
   )
   assert code == 0, err[-3000:]
-  assert "| rcsr_p" in out and "| chance" in out
+  assert "| rcsr_p" in out and "| pfedmma" in out and "| chance" in out
   results = json.loads((tmp_path / "run" / "results.json").read_text())
-  for m in ("fedavg", "rcsr", "rcsr_p"):
+  for m in ("fedavg", "rcsr", "rcsr_p", "pfedmma"):
     final = results["methods"][m]
     assert len(final["own"]["R@1"]) == 4 and "std_R@1" in final["fairness"]
     assert abs(sum(final["q"]) - 1) < 1e-5
   assert results["methods"]["fedavg"]["q"] == [0.25] * 4  # no q game for FedAvg
+  ledger = results["bytes_per_client_round"]
+  assert ledger["pfedmma"] == ledger["fedavg"]  # the client-specific adapters stay home
+  assert ledger["rcsr"]["up"] == ledger["fedavg"]["up"] + 7 * 4  # gamma_k, m_k, l_k
   assert (tmp_path / "run" / "checkpoints").exists()
 
   # A crash after round 1's checkpoint: the rerun (same command, so the same devices and
@@ -73,4 +76,5 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   table = runner.summarize([workdir])
   rcsr, fedavg = (results["methods"][m]["global"]["R@1"] for m in ("rcsr", "fedavg"))
   assert f"| {rcsr:.1f} ± 0.0" in table
-  assert "| rcsr - fedavg (paired) | " in table and f"| {rcsr - fedavg:.1f} ± 0.0" in table
+  assert re.search(r"\| rcsr - fedavg \(paired\) +\| ", table)
+  assert f"| {rcsr - fedavg:.1f} ± 0.0" in table

@@ -193,25 +193,35 @@ def experiment(config) -> loop.Experiment:
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
 
-  def round_and_check(meth, s, moon=False):
-    s, out = round_fn(meth, s, setup["train"], setup["mask"], setup["modality"], moon=moon)
+  def round_and_check(meth, s, moon=False, fedper=False):
+    s, out = round_fn(
+      meth, s, setup["train"], setup["mask"], setup["modality"], moon=moon, fedper=fedper
+    )
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return s, out | {"finite": finite}
 
   # One compiled round for every method (the method is a traced argument); MOON, which
-  # also runs its clients' previous local models, has its own.
-  round_jit = jax.jit(round_and_check, donate_argnums=1, static_argnames="moon")
+  # also runs its clients' previous local models, and FedPer, whose clients start from
+  # their own, have their own.
+  round_jit = jax.jit(round_and_check, donate_argnums=1, static_argnames=("moon", "fedper"))
 
   def step(m):
-    moon = m in alg.NEEDS_PREVIOUS
-    return lambda s: round_jit(meths[m], s, moon=moon)
+    flags = alg.round_flags(m)
+    return lambda s: round_jit(meths[m], s, **flags)
 
   @jax.jit
   def evaluate_jit(s):
-    def client(personal, arrays, wr):
-      model = spec.merge(s.params, personal, frozen)
-      z_i, z_t = model.embed_image(arrays["image"]), model.embed_text(arrays["caption"])
+    cs = s.method.client_scale
+
+    def own_params(previous):
+      # FedPer's clients are scored with their own adapters + heads.
+      return jax.tree.map(lambda p, q: jnp.where(s.method.fedper, q, p), s.params, previous)
+
+    def client(personal, previous, arrays, wr):
+      model = spec.merge(own_params(previous), personal, frozen)
+      z_i = model.embed_image(arrays["image"], cs)
+      z_t = model.embed_text(arrays["caption"], cs)
       s_k = alg.strength(spec, s.method, wr)
       p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
       # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
@@ -222,10 +232,23 @@ def experiment(config) -> loop.Experiment:
       z_t = jnp.where(s.method.personal, p_t, z_t)
       return recall(z_i, z_t) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
 
-    own = jax.vmap(client)(s.personal, setup["test"], s.last_wr)
-    model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
+    own = jax.vmap(client)(s.personal, s.previous, setup["test"], s.last_wr)
     g = setup["global_test"]
-    return own, recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+    def shared():
+      # The shared model alone (RCSR-p's and pFedMMA's client parts off).
+      model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
+      return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+    def mean_of_clients():
+      # FedPer has no shared model: the mean over the N clients' own models.
+      def one(previous):
+        model = spec.merge(previous, jax.tree.map(lambda x: x[0], s.personal), frozen)
+        return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+      return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, s.previous))
+
+    return own, jax.lax.cond(s.method.fedper, mean_of_clients, shared)
 
   def evaluate(s) -> dict[str, Any]:
     own, glob = evaluate_jit(s)
@@ -257,12 +280,11 @@ def experiment(config) -> loop.Experiment:
       rows.append((m, values))
     return rows
 
-  sent = alg.sent_bytes(setup["glob"])
+  sent = {m: alg.traffic_bytes(m, setup["glob"], spec.dim) for m in methods}
 
   def traffic(m, out):
     sampled = np.asarray(out["sampled"])
-    up = np.where(sampled, sent, 0)
-    return up, up
+    return np.where(sampled, sent[m][0], 0), np.where(sampled, sent[m][1], 0)
 
   chance = {f"R@{k}": 100 * min(1.0, k / config.test_per_client) for k in KS}
   chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
@@ -308,7 +330,7 @@ def experiment(config) -> loop.Experiment:
       "methods": {m: outcome.final[m] for m in methods},
       "chance": {"own": chance, "global": chance_global},
       "modality": np.asarray(setup["modality"]).tolist(),
-      "bytes_per_client_round": sent,
+      "bytes_per_client_round": {m: {"up": u, "down": d} for m, (u, d) in sent.items()},
     }
     return loop.Report(
       title="RCSR", sections=[("Results", table)], plots={}, results=results, text=text
