@@ -28,7 +28,8 @@ def setup():
   cap = d["caption"].reshape(N, SAMPLES, 2, 12)
   img = img * MODALITY[:, 0, None, None, None, None]
   cap = cap * MODALITY[:, 1, None, None, None]
-  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap)}
+  labels = np.arange(N * SAMPLES).reshape(N, SAMPLES) % 3  # MFCPL's classes
+  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap), "label": jnp.asarray(labels)}
   mask = np.ones((N, SAMPLES), bool)
   mask[3, 4:] = False
   rngs = nnx.Rngs(0)
@@ -53,6 +54,7 @@ def setup():
     router_layers=1,
     warmup_rounds=1,
     client_map="vmap",
+    num_classes=3,
   )
   return spec, glob, personal, frozen, arrays, jnp.asarray(mask), jnp.asarray(MODALITY)
 
@@ -83,10 +85,18 @@ def update_fn(setup):
 
 
 @pytest.fixture(scope="module")
-def state0(setup):
+def public():
+  """FedMEKT's proxy set: 5 pairs of another world draw (caption 0)."""
+  cfg = world.WorldConfig(image_size=16, captions_per_image=2, max_caption_len=12)
+  d = world.generate(1, 5, config=cfg)
+  return {"image": jnp.asarray(d["image"]), "caption": jnp.asarray(d["caption"][:, 0])}
+
+
+@pytest.fixture(scope="module")
+def state0(setup, public):
   spec, glob, personal, frozen, arrays, mask, mod = setup
   init = jax.jit(functools.partial(alg.init, spec))
-  return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2))
+  return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2), public=public)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +104,8 @@ def step(setup):
   """One jitted round for the module's tests (compiled once per ``moon`` value)."""
   spec, frozen = setup[0], setup[3]
   return jax.jit(
-    functools.partial(alg.round_step, spec, frozen), static_argnames=("moon", "fedper")
+    functools.partial(alg.round_step, spec, frozen),
+    static_argnames=("moon", "fedper", "mfcpl", "mekt"),
   )
 
 
@@ -148,13 +159,16 @@ def test_mapped_equals_looped_client_updates(setup, update_fn):
       np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-6)
 
 
-def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step):
+def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step, public):
   spec, glob, personal, frozen, arrays, mask, mod = setup
   states = {}
   for name in alg.METHODS:
     state = state0
+    flags = alg.round_flags(name)
+    if flags["mekt"]:
+      flags["public"] = public
     for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
-      state, metrics = step(alg.method(name), state, arrays, mask, mod, **alg.round_flags(name))
+      state, metrics = step(alg.method(name), state, arrays, mask, mod, **flags)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
     assert np.isclose(np.nansum(metrics["weight"]), 1.0)
     states[name] = state
@@ -271,7 +285,9 @@ def update_from(setup):
   spec, frozen = setup[0], setup[3]
 
   @jax.jit
-  def fn(meth, start, protos, lr, personal_on, k_personal, key, k_arrays, k_mask, k_mod, s_k):
+  def fn(
+    meth, start, protos, lr, personal_on, k_personal, key, k_arrays, k_mask, k_mod, s_k, extra
+  ):
     return alg.client_update(
       spec,
       frozen,
@@ -286,14 +302,16 @@ def update_from(setup):
       k_mask,
       k_mod,
       s_k,
+      **extra,
     )
 
   return fn
 
 
-def _looped_round(setup, update_from, meth, state, start_of):
+def _looped_round(setup, update_from, meth, state, start_of, extra=None):
   """Round_step's sampling and client updates, one client at a time: ``(idx, news)``
-  with ``news[j] = (adapters + heads, personal)`` of the j-th sampled client."""
+  with ``news[j] = (adapters + heads, personal)`` of the j-th sampled client;
+  ``extra``: client_update's keyword arguments (MFCPL's, FedMEKT's)."""
   spec, _, _, _, arrays, mask, mod = setup
   t = state.round
   _, k_sample, k_clients = jax.random.split(jax.random.fold_in(state.rng, t), 3)
@@ -315,6 +333,7 @@ def _looped_round(setup, update_from, meth, state, start_of):
       mask[k],
       mod[k],
       s_k[j],
+      {} if extra is None else extra,
     )
     news.append((new_global, new_personal))
   return idx, news
@@ -324,9 +343,9 @@ def _row(tree, k):
   return jax.tree.map(lambda x: x[k], tree)
 
 
-def _assert_close(a, b):
+def _assert_close(a, b, atol=2e-6):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=atol)
 
 
 def test_fedper_adapters_and_heads_never_leave_the_client(setup, state0, step, update_from):
@@ -425,3 +444,92 @@ def test_placeholder_learns_from_the_router_loss_only_after_warm_up(setup, state
   np.testing.assert_array_equal(full2.placeholder, state0.placeholder)
   # ... and it is what the router sees: round 2's L_R differs from the EMA fill's.
   assert float(o2["router_loss"]) != float(f2["router_loss"])
+
+
+def _fedavg_of(state, idx, news, mask):
+  """The data-size weighted FedAvg of the looped clients' adapters + heads."""
+  sizes = np.asarray(mask)[idx].sum(1)
+  w = sizes / sizes.sum()
+  return jax.tree.map(
+    lambda g, *new: g + sum(wk * (n - g) for wk, n in zip(w, new, strict=True)),
+    state.params,
+    *[g for g, _ in news],
+  )
+
+
+def _mean_rows(num, den, previous):
+  """``num / den`` re-normalised where ``den > 0``, else ``previous`` (numpy)."""
+  mean = num / np.maximum(den, 1)[..., None]
+  norm = np.linalg.norm(mean, axis=-1, keepdims=True)
+  return np.where(den[..., None] > 0, mean / np.maximum(norm, 1e-12), np.asarray(previous))
+
+
+def test_mfcpl_weight_acts_and_server_averages_class_prototypes(setup, state0, step, update_from):
+  """MFCPL: weight 0 is FedAvg (to rounding), weight 1 changes the round; the round ==
+  a looped reference; the server's class prototypes == the count-weighted mean of the
+  sampled clients' per-class prototypes of their held modalities, by hand."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  assert np.asarray(alg.M.valid_prototypes(state0.class_prototypes)).all()  # every class seen
+  fedavg, _ = step(alg.method("fedavg"), state0, arrays, mask, mod)
+  off, _ = step(alg.method("mfcpl", mfcpl_mu=0.0), state0, arrays, mask, mod, mfcpl=True)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  meth = alg.method("mfcpl")
+  s1, _ = step(meth, state0, arrays, mask, mod, mfcpl=True)
+  print("MFCPL vs FedAvg", max(_changed(s1.params, fedavg.params, "").values()))
+  assert max(_changed(s1.params, fedavg.params, "").values()) > 1e-4
+  extra = {"class_prototypes": state0.class_prototypes}
+  idx, news = _looped_round(setup, update_from, meth, state0, lambda k: state0.params, extra)
+  _assert_close(s1.params, _fedavg_of(state0, idx, news, mask))
+  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+  num, den = np.zeros((2, 3, spec.dim)), np.zeros((2, 3))
+  for k, (g, q) in zip(idx, news, strict=True):
+    z = [np.asarray(x) for x in embed(g, q, arrays["image"][k], arrays["caption"][k, :, 0])]
+    labels, valid = np.asarray(arrays["label"][k]), np.asarray(mask[k])
+    for v in range(2):
+      for c in range(3):
+        rows = z[v][(labels == c) & valid]
+        if MODALITY[k, v] and len(rows):
+          mean = rows.mean(0)
+          num[v, c] += len(rows) * mean / np.linalg.norm(mean)
+          den[v, c] += len(rows)
+  want = _mean_rows(num, den, state0.class_prototypes)
+  np.testing.assert_allclose(s1.class_prototypes, want, rtol=2e-4, atol=2e-6)
+
+
+def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
+  setup, state0, step, update_from, public
+):
+  """FedMEKT: the first targets are the initial model's proxy embeddings; weight 0 is
+  FedAvg (to rounding), weight 1 changes the round; the round == a looped reference;
+  the server's targets == the mean proxy embeddings of the sampled clients holding each
+  modality, by hand."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  s0 = state0
+  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+  first = jnp.stack(embed(glob, personal, public["image"], public["caption"]))
+  np.testing.assert_allclose(s0.public_embeddings, first, rtol=1e-5, atol=1e-6)
+  kw = {"mekt": True, "public": public}
+  fedavg, _ = step(alg.method("fedavg"), s0, arrays, mask, mod)
+  off, _ = step(alg.method("fedmekt", mekt_mu=0.0), s0, arrays, mask, mod, **kw)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  # Round 2: the targets (the clients' round-1 average) differ from the global model's.
+  fedavg2, _ = step(alg.method("fedavg"), off, arrays, mask, mod)
+  meth = alg.method("fedmekt")
+  s2, _ = step(meth, off, arrays, mask, mod, **kw)
+  print("FedMEKT vs FedAvg", max(_changed(s2.params, fedavg2.params, "").values()))
+  assert max(_changed(s2.params, fedavg2.params, "").values()) > 1e-4
+  extra = {"public": public, "public_targets": off.public_embeddings}
+  idx, news = _looped_round(setup, update_from, meth, off, lambda k: off.params, extra)
+  # (Adam's steps on near-zero gradients magnify the rounding of mapped vs looped.)
+  _assert_close(s2.params, _fedavg_of(off, idx, news, mask), atol=2e-5)
+  sums, n = np.zeros((2, 5, spec.dim)), np.zeros(2)
+  for k, (g, q) in zip(idx, news, strict=True):
+    e = np.stack([np.asarray(x) for x in embed(g, q, public["image"], public["caption"])])
+    for v in range(2):
+      if MODALITY[k, v]:
+        sums[v] += e[v]
+        n[v] += 1
+  want = np.where(
+    n[:, None, None] > 0, sums / np.maximum(n, 1)[:, None, None], off.public_embeddings
+  )
+  np.testing.assert_allclose(s2.public_embeddings, want, rtol=2e-4, atol=2e-6)

@@ -35,9 +35,11 @@ global model and of the client's previous local model (adapters + heads, kept pe
 in the state), on every modality the client holds; it needs those two extra forward
 passes, so it is a static switch of :func:`round_step` (its own compile), and it
 aggregates as FedAvg. A client never sampled before uses the initial model as its
-previous one. FedAvg / FedProx single-modality clients use L_anchor to the EMA
-prototypes (Sec. 5.1), which therefore are kept for them too; their aggregation
-weights are ``|D_k| / sum |D_j|``.
+previous one. MFCPL and FedMEKT (below) are static switches too (``mfcpl=True``,
+``mekt=True``: their own compiles), so the other methods' programs are unchanged.
+FedAvg / FedProx single-modality clients use L_anchor to the EMA prototypes (Sec.
+5.1), which therefore are kept for them too; their aggregation weights are
+``|D_k| / sum |D_j|``.
 
 **Personalised baselines (Table 1).** All on the same frozen encoders, adapters and
 heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAvg.
@@ -67,6 +69,47 @@ heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAv
   the shared one; its prototypes and its clients' scores use ``A_k``, its global score the
   shared model alone (as RCSR-p's). For every other method the scale is 0 and the branch
   adds exact zeros.
+* **FedMEKT** (Le et al., "FedMEKT: Distillation-based embedding knowledge transfer for
+  multimodal federated learning", Neural Networks 183, 2025, arXiv:2307.13214; Sec. 5.1:
+  "embedding knowledge transfer via KL divergence, temperature 3.0"). FedMEKT's server
+  and clients exchange embeddings of a small multimodal proxy set and distil towards
+  them with :func:`fedjax_mm.losses.fedmekt.embedding_distillation` (``T^2 KL`` of the
+  softmax over an embedding's coordinates at T = 3, the authors' ``KL_Loss``).
+  Adaptations (declared): (i) the proxy set is a seeded slice of the world's pairs held
+  by no client and outside the global test set (RCSR's experiment has no public set;
+  :mod:`fedjax_mm.runner.rcsr`), caption 0 per image; (ii) the adapters + heads are
+  still averaged by FedAvg, as every Table 1 row shares this model and Sec. 6 puts
+  FedMEKT's traffic *above* FedAvg's (109%): parameters + embeddings; FedMEKT's own
+  server-side distillation of a global encoder (its upstream transfer) is therefore
+  replaced by averaging: the server's "knowledge" is the plain mean (the authors'
+  ``1 / k``) of the sampled clients' proxy embeddings per modality, over the clients
+  that hold it (:func:`fedjax_mm.server.rcsr.embedding_average`); (iii) downstream, each
+  client adds ``mekt_mu`` x the KL of its embeddings of the proxy set towards that
+  average (the mean over its held modalities), at every local step over the whole proxy
+  set; the round-1 target is the initial model's embeddings; (iv) the distilled vectors
+  are the L2-normalised ``d``-dim embeddings every method shares (FedMEKT distils
+  unnormalised encoder outputs), so at T = 3 the term is weak: for small differences
+  its gradient is ``~ (z - t) / d``; (v) one weight ``mekt_mu`` (default 1.0; FedMEKT's
+  code weights its two layers 0.1 and 0.04) and no classifier stage (retrieval has
+  none). Table 1 lists FedMEKT among the personalised rows, yet it has no personal
+  state: it is scored with the shared model, like FedAvg.
+* **MFCPL** (Le et al., "Cross-Modal Prototype based Multimodal Federated Learning under
+  Severely Missing Modality", Information Fusion 122, 2025, arXiv:2401.13898; Sec. 5.1:
+  "10 prototypes per modality, CMPC + CMPR + CMA losses"). The terms are reconstructed
+  in :mod:`fedjax_mm.losses.mfcpl` (only the paper's abstract and the components' roles
+  were reachable, not its equations); adaptations (declared): (i) the classes are the
+  K-Means pseudo-labels of the non-IID split (the world's retrieval clients have no
+  labels), so ``C = kmeans_k`` prototypes per modality (10 by default, as Sec. 5.1);
+  the labels are an oracle for an image-only client (they come from its images'
+  captions, which it does not hold); (ii) a client reports, after training, the
+  normalised per-class mean of its embeddings of each held modality and the class
+  counts; the server takes the count-weighted mean per (modality, class), re-normalised
+  (FedProto's rule; :func:`fedjax_mm.server.rcsr.class_prototype_average`), a class no
+  sampled client reported keeping its previous prototype; the round-1 prototypes come
+  from the initial model over every client; (iii) the client loss is eq. (5)'s (L_NCE
+  or L_anchor) plus ``mfcpl_mu`` (default 1.0) x [mean over held modalities of CMPC +
+  CMPR, plus CMA for paired clients], CMPC at tau = 0.07 (the model's contrastive
+  temperature); (iv) adapters + heads are averaged by FedAvg.
 * **Learnable placeholder** (Sec. C.4): the missing slot of ``s_k`` holds a learnt
   ``[2, d]`` vector shared by all clients (C.4: "learnable placeholders are shared across
   clients"), trained with the router by the same Adam step on L_R after warm-up. Filled
@@ -112,6 +155,8 @@ import optax
 from flax import nnx, struct
 
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
+from fedjax_mm.losses import fedmekt as F
+from fedjax_mm.losses import mfcpl as M
 from fedjax_mm.losses import rcsr as L
 from fedjax_mm.server import rcsr as S
 
@@ -276,6 +321,9 @@ class RcsrDef:
   personal_lr_ratio: float = 0.1  # Sec. 4.5: the personal adapters train at 0.1 x lr
   client_map: str = "auto"
   eval_batch: int = 256
+  num_classes: int = 10  # MFCPL's prototypes per modality (the K-Means pseudo-labels)
+  mfcpl_temperature: float = L.TAU_NCE  # CMPC's tau
+  mekt_temperature: float = F.TEMPERATURE  # FedMEKT's KL temperature (3.0)
 
   def merge(self, global_params, personal, frozen) -> RcsrModel:
     return nnx.merge(self.graphdef, global_params, personal, frozen)
@@ -297,6 +345,8 @@ class Method:
   placeholder_fill: Array  # bool: the missing slot of s_k is the learnt placeholder (C.4)
   client_scale: Array  # pFedMMA's scale on the client-specific adapters; 0 otherwise
   fedper: Array  # bool: adapters + heads personal (needs round_step(fedper=True))
+  mfcpl_mu: Array  # MFCPL's weight on CMPC + CMPR + CMA (needs round_step(mfcpl=True))
+  mekt_mu: Array  # FedMEKT's weight on the proxy-set KL (needs round_step(mekt=True))
 
 
 # name -> the switches it turns on. The last five are Table 5's and Sec. C.4's ablations:
@@ -319,18 +369,28 @@ _SWITCHES: dict[str, tuple[str, ...]] = {
   "fedper": ("fedper",),
   "pfedmma": ("mma",),
   "rcsr_placeholder_fill": ("align", "router", "fair", "placeholder"),
+  "mfcpl": ("mfcpl",),
+  "fedmekt": ("mekt",),
 }
 # Methods whose round needs the clients' previous local models (a separate compile).
 NEEDS_PREVIOUS = ("moon",)
 # Methods whose clients start from their own adapters + heads (a separate compile).
 PERSONAL_MODELS = ("fedper",)
+# MFCPL's class prototypes and FedMEKT's proxy-set distillation (a compile each).
+CLASS_PROTOTYPES = ("mfcpl",)
+PROXY_EMBEDDINGS = ("fedmekt",)
 METHODS = tuple(_SWITCHES)
 PFEDMMA_SCALE = 0.5  # RCSR's Sec. 5.1: "shared + client-specific components, scale 0.5"
 
 
 def round_flags(name: str) -> dict[str, bool]:
   """The static keyword arguments of :func:`round_step` that method ``name`` needs."""
-  return {"moon": name in NEEDS_PREVIOUS, "fedper": name in PERSONAL_MODELS}
+  return {
+    "moon": name in NEEDS_PREVIOUS,
+    "fedper": name in PERSONAL_MODELS,
+    "mfcpl": name in CLASS_PROTOTYPES,
+    "mekt": name in PROXY_EMBEDDINGS,
+  }
 
 
 def method(
@@ -340,6 +400,8 @@ def method(
   lambda_s: float = 0.01,
   mu: float = 0.1,
   moon_mu: float = 1.0,
+  mfcpl_mu: float = 1.0,
+  mekt_mu: float = 1.0,
 ) -> Method:
   """The :class:`Method` of one of :data:`METHODS`."""
   if name not in _SWITCHES:
@@ -361,6 +423,8 @@ def method(
     placeholder_fill=b("placeholder"),
     client_scale=f(PFEDMMA_SCALE if "mma" in on else 0.0),
     fedper=b("fedper"),
+    mfcpl_mu=f(mfcpl_mu if "mfcpl" in on else 0.0),
+    mekt_mu=f(mekt_mu if "mekt" in on else 0.0),
   )
 
 
@@ -387,6 +451,8 @@ class RcsrState:
   previous: PyTree  # [N, ...] each client's last local adapters + heads (MOON's z_prev,
   # FedPer's personal model)
   placeholder: Array  # [2, d] C.4's learnable placeholder of a missing prototype slot
+  class_prototypes: Array  # [2, C, d] MFCPL's global per-class prototypes (0: no class yet)
+  public_embeddings: Array  # [2, P, d] FedMEKT's average of the clients' proxy embeddings
   method: Method  # the run's switches (evaluation applies its personal adapters / s_k)
 
 
@@ -473,8 +539,47 @@ def round_lr(spec: RcsrDef, t: Array) -> Array:
   return spec.lr * warm * cos
 
 
+def _held_mean(modality: Array, image_term: Array, text_term: Array) -> Array:
+  """The mean of two per-modality terms over the modalities the client holds."""
+  held = modality.astype(image_term.dtype)
+  total = jnp.where(modality[0], image_term, 0.0) + jnp.where(modality[1], text_term, 0.0)
+  return total / jnp.maximum(held.sum(), 1.0)
+
+
+def mfcpl_terms(spec, z_i, z_t, labels, mask, modality, class_prototypes):
+  """MFCPL's ``CMPC + CMPR`` (mean over held modalities) ``+ CMA`` (paired) for one batch."""
+  count = jnp.maximum(mask.sum(), 1).astype(z_i.dtype)
+  complete = M.complete_prototypes(class_prototypes)
+
+  def per_modality(z, other):
+    cmpc = M.prototype_contrastive(
+      z, labels, other, temperature=spec.mfcpl_temperature, where=mask
+    ).sum()
+    cmpr = M.prototype_regularization(z, labels, complete, where=mask).sum()
+    return (cmpc + cmpr) / count
+
+  specific = _held_mean(
+    modality,
+    per_modality(z_i, class_prototypes[1]),
+    per_modality(z_t, class_prototypes[0]),
+  )
+  cma = M.cross_modal_alignment(z_i, z_t, where=mask).sum() / count
+  return specific + jnp.where(modality[0] & modality[1], cma, 0.0)
+
+
 def client_objective(
-  spec, frozen, global_start, modality, prototypes, strength, meth, previous=None
+  spec,
+  frozen,
+  global_start,
+  modality,
+  prototypes,
+  strength,
+  meth,
+  previous=None,
+  *,
+  class_prototypes=None,
+  public=None,
+  public_targets=None,
 ):
   """Eq. (5) (+ FedProx, + RCSR-p's personal loss, + MOON's) for ONE client as an Objective.
 
@@ -482,7 +587,11 @@ def client_objective(
   model-contrastive term, weighted by ``meth.moon_mu``, on every modality the client
   holds (the mean over them); the global and previous models are frozen for it.
   pFedMMA's client-specific adapters enter every forward at ``meth.client_scale`` (0
-  for every other method).
+  for every other method). ``class_prototypes`` (``[2, C, d]``, with ``batch["label"]``)
+  turns on MFCPL's terms (:func:`mfcpl_terms`, weight ``meth.mfcpl_mu``); ``public``
+  (the proxy set: ``image [P, S, S, C]``, ``caption [P, L]``) and ``public_targets``
+  (``[2, P, d]``) turn on FedMEKT's distillation of the client's proxy embeddings
+  towards the targets (weight ``meth.mekt_mu``), both over the modalities it holds.
   """
   cs = meth.client_scale
 
@@ -519,6 +628,14 @@ def client_objective(
     loss = loss + 0.5 * meth.prox_mu * prox
     if previous is not None:
       loss = loss + meth.moon_mu * moon_term(params, batch["image"], text, mask, z_i, z_t)
+    if class_prototypes is not None:
+      terms = mfcpl_terms(spec, z_i, z_t, batch["label"], mask, modality, class_prototypes)
+      loss = loss + meth.mfcpl_mu * terms
+    if public is not None:
+      kd = lambda z, t: F.embedding_distillation(z, t, temperature=spec.mekt_temperature).mean()
+      kd_i = kd(model.embed_image(public["image"], cs), public_targets[0])
+      kd_t = kd(model.embed_text(public["caption"], cs), public_targets[1])
+      loss = loss + meth.mekt_mu * _held_mean(modality, kd_i, kd_t)
     # RCSR-p (eq. 12): personal features from the shared ones under stop-gradient.
     pz_i = model.personalise(jax.lax.stop_gradient(z_i), strength)
     pz_t = model.personalise(jax.lax.stop_gradient(z_t), strength)
@@ -559,10 +676,17 @@ def client_update(
   modality: Array,
   strength: Array,
   previous: PyTree | None = None,
+  *,
+  class_prototypes: Array | None = None,
+  public: dict[str, Array] | None = None,
+  public_targets: Array | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
   """Local training of ONE client; returns ``(new global params, new personal, stats)``.
 
   ``previous``: the client's last local adapters + heads, for MOON (else None).
+  ``class_prototypes``: MFCPL's global ``[2, C, d]`` (``arrays`` then hold ``label``);
+  ``public`` + ``public_targets``: FedMEKT's proxy set and the server's average of its
+  embeddings (see :func:`client_objective`).
   """
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
   personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
@@ -574,7 +698,17 @@ def client_update(
     client_on=meth.client_scale > 0,
   )
   obj = client_objective(
-    spec, frozen, global_params, modality, prototypes, strength, meth, previous
+    spec,
+    frozen,
+    global_params,
+    modality,
+    prototypes,
+    strength,
+    meth,
+    previous,
+    class_prototypes=class_prototypes,
+    public=public,
+    public_targets=public_targets,
   )
   params = {"global": global_params, "personal": personal}
   params, _, _, stats = local_update(
@@ -591,6 +725,29 @@ def client_update(
   return params["global"], params["personal"], stats
 
 
+def client_embeddings(spec, frozen, params, personal, images, captions, client_scale=None):
+  """``(z_I [n, d], z_T [n, d])`` of ``images [n, S, S, C]`` and ``captions [n, L]``."""
+  model = spec.merge(params, personal, frozen)
+  embed_i = lambda x: model.embed_image(x, client_scale)
+  embed_t = lambda x: model.embed_text(x, client_scale)
+  z_i = apply_in_batches(embed_i, images, spec.eval_batch)
+  z_t = apply_in_batches(embed_t, captions, spec.eval_batch)
+  return z_i, z_t
+
+
+def _reported(z_i, z_t, sample_mask, modality, prototypes):
+  local = jnp.stack([L.prototype(z_i, where=sample_mask), L.prototype(z_t, where=sample_mask)])
+  return jnp.where(modality[:, None], local, prototypes)
+
+
+def _class_report(spec, z_i, z_t, labels, sample_mask, modality):
+  """MFCPL's upload: ``([2, C, d] per-class prototypes, [2, C] counts)``, 0 where not held."""
+  p_i, n_i = M.class_prototypes(z_i, labels, spec.num_classes, where=sample_mask)
+  p_t, n_t = M.class_prototypes(z_t, labels, spec.num_classes, where=sample_mask)
+  counts = jnp.stack([n_i, n_t]) * modality[:, None].astype(n_i.dtype)
+  return jnp.stack([p_i, p_t]), counts
+
+
 def client_prototypes(
   spec, frozen, params, personal, arrays, sample_mask, modality, prototypes, client_scale=None
 ):
@@ -598,13 +755,10 @@ def client_prototypes(
 
   ``client_scale``: pFedMMA's, so its prototypes come from the client's own model.
   """
-  model = spec.merge(params, personal, frozen)
-  embed_i = lambda x: model.embed_image(x, client_scale)
-  embed_t = lambda x: model.embed_text(x, client_scale)
-  z_i = apply_in_batches(embed_i, arrays["image"], spec.eval_batch)
-  z_t = apply_in_batches(embed_t, arrays["caption"][:, 0], spec.eval_batch)
-  local = jnp.stack([L.prototype(z_i, where=sample_mask), L.prototype(z_t, where=sample_mask)])
-  return jnp.where(modality[:, None], local, prototypes)
+  z_i, z_t = client_embeddings(
+    spec, frozen, params, personal, arrays["image"], arrays["caption"][:, 0], client_scale
+  )
+  return _reported(z_i, z_t, sample_mask, modality, prototypes)
 
 
 def _flat(tree: PyTree) -> Array:
@@ -621,20 +775,41 @@ def init(
   modality: Array,
   key: Array,
   meth: Method | None = None,
+  *,
+  public: dict[str, Array] | None = None,
 ) -> RcsrState:
   """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes.
 
   ``meth`` (default FedAvg's) is stored for evaluation; :func:`round_step` takes the
-  method it runs as its own argument.
+  method it runs as its own argument. Like the EMA prototypes, MFCPL's class
+  prototypes (when ``arrays`` hold ``label``) start from the frozen initial model over
+  every client's held modalities, aggregated as a round would; FedMEKT's proxy targets
+  (when ``public`` is given) start as the initial model's embeddings of the proxy set.
   """
   n = spec.num_clients
   k_router, k_rng = jax.random.split(key)
   zeros = jnp.zeros((2, spec.dim))
-  fill = jax.vmap(
-    lambda a, m, mod: client_prototypes(spec, frozen, global_params, personal, a, m, mod, zeros)
-  )(arrays, sample_mask, modality)
+
+  def report(a, m, mod):
+    z_i, z_t = client_embeddings(
+      spec, frozen, global_params, personal, a["image"], a["caption"][:, 0]
+    )
+    out = _reported(z_i, z_t, m, mod, zeros)
+    if "label" in a:
+      return out, _class_report(spec, z_i, z_t, a["label"], m, mod)
+    return out, None
+
+  fill, classes = jax.vmap(report)(arrays, sample_mask, modality)
   held = modality.astype(jnp.float32)
   protos = L.normalize(jnp.einsum("kv,kvd->vd", held, fill))
+  class_protos = jnp.zeros((2, spec.num_classes, spec.dim))
+  if classes is not None:
+    class_protos = S.class_prototype_average(*classes, class_protos, jnp.ones((n,), bool))
+  public_emb = jnp.zeros((2, 1, spec.dim))
+  if public is not None:
+    public_emb = jnp.stack(
+      client_embeddings(spec, frozen, global_params, personal, public["image"], public["caption"])
+    )
   router = S.init_router(
     k_router,
     token_dim(protos.shape[-1]),
@@ -657,6 +832,8 @@ def init(
     last_wr=jnp.full((n,), 1.0 / spec.per_round),
     previous=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), global_params),
     placeholder=placeholder,
+    class_prototypes=class_protos,
+    public_embeddings=public_emb,
     method=method("fedavg") if meth is None else meth,
   )
 
@@ -672,6 +849,9 @@ def round_step(
   *,
   moon: bool = False,
   fedper: bool = False,
+  mfcpl: bool = False,
+  mekt: bool = False,
+  public: dict[str, Array] | None = None,
 ) -> tuple[RcsrState, dict[str, Array]]:
   """One round of Algorithm 1 for every method (its switches in ``meth``).
 
@@ -688,6 +868,13 @@ def round_step(
     fedper: static; FedPer: every sampled client starts from its own adapters + heads
       (``state.previous``) and keeps what it trains there; ``state.params`` (the server's
       model) is left as it is, since nothing is aggregated.
+    mfcpl: static; MFCPL: the clients train with ``state.class_prototypes`` (``arrays``
+      must hold ``label [N, n]``) and report per-class prototypes and counts, which the
+      server averages (:func:`fedjax_mm.server.rcsr.class_prototype_average`).
+    mekt: static; FedMEKT: the clients distil their embeddings of ``public`` towards
+      ``state.public_embeddings`` and report their own, which the server averages
+      (:func:`fedjax_mm.server.rcsr.embedding_average`).
+    public: FedMEKT's proxy set, ``image [P, S, S, C]``, ``caption [P, L]``.
 
   Returns:
     ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
@@ -712,25 +899,55 @@ def round_step(
   mapped = (c_personal, keys, c_arrays, c_mask, c_mod, s_k)
   if moon:
     mapped += (jax.tree.map(take, state.previous),)
+  if mekt and public is None:
+    raise ValueError("round_step(mekt=True) needs the proxy set: public={image, caption}.")
+  extra = {}
+  if mfcpl:
+    extra["class_prototypes"] = state.class_prototypes
+  if mekt:
+    extra |= {"public": public, "public_targets": state.public_embeddings}
   if fedper:
     # Each client's own adapters + heads are its starting point (mapped, not closed over).
     start = jax.tree.map(take, state.previous)
 
     def update(own, *rest):
-      return client_update(spec, frozen, meth, own, state.prototypes, lr, personal_on, *rest)
+      return client_update(
+        spec, frozen, meth, own, state.prototypes, lr, personal_on, *rest, **extra
+      )
 
     mapped = (start,) + mapped
   else:
     update = functools.partial(
-      client_update, spec, frozen, meth, state.params, state.prototypes, lr, personal_on
+      client_update,
+      spec,
+      frozen,
+      meth,
+      state.params,
+      state.prototypes,
+      lr,
+      personal_on,
+      **extra,
     )
     start = state.params
   new_global, new_personal, stats = map_clients(update, mapped, spec.client_map)
-  protos = jax.vmap(
-    lambda p, q, a, mk, md: client_prototypes(
-      spec, frozen, p, q, a, mk, md, state.prototypes, meth.client_scale
+
+  def report(p, q, a, mk, md):
+    # What a client reports after training: eq. (6)'s prototypes, MFCPL's class
+    # prototypes + counts, FedMEKT's proxy-set embeddings.
+    z_i, z_t = client_embeddings(
+      spec, frozen, p, q, a["image"], a["caption"][:, 0], meth.client_scale
     )
-  )(new_global, new_personal, c_arrays, c_mask, c_mod)
+    out = {"prototypes": _reported(z_i, z_t, mk, md, state.prototypes)}
+    if mfcpl:
+      out["classes"] = _class_report(spec, z_i, z_t, a["label"], mk, md)
+    if mekt:
+      out["public"] = jnp.stack(
+        client_embeddings(spec, frozen, p, q, public["image"], public["caption"], meth.client_scale)
+      )
+    return out
+
+  reports = jax.vmap(report)(new_global, new_personal, c_arrays, c_mask, c_mod)
+  protos = reports["prototypes"]
   if fedper:
     deltas = jax.vmap(lambda p, p0: _flat(p) - _flat(p0))(new_global, start)
   else:
@@ -799,6 +1016,12 @@ def round_step(
       lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, new_global
     )
   prototypes = S.ema_prototypes(state.prototypes, protos, w, mu=spec.proto_momentum)
+  class_prototypes = state.class_prototypes
+  if mfcpl:
+    class_prototypes = S.class_prototype_average(*reports["classes"], class_prototypes, all_true)
+  public_embeddings = state.public_embeddings
+  if mekt:
+    public_embeddings = S.embedding_average(reports["public"], c_mod, public_embeddings, all_true)
   personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
   last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
   previous = state.previous
@@ -817,6 +1040,8 @@ def round_step(
     last_wr=last_wr,
     previous=previous,
     placeholder=placeholder,
+    class_prototypes=class_prototypes,
+    public_embeddings=public_embeddings,
     method=state.method,
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
@@ -835,18 +1060,37 @@ def sent_bytes(global_params: PyTree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(global_params))
 
 
-def traffic_bytes(name: str, global_params: PyTree, dim: int) -> tuple[int, int]:
-  """``(up, down)`` bytes of one sampled client in one round of method ``name``.
+def traffic_bytes(
+  name: str,
+  global_params: PyTree,
+  dim: int,
+  *,
+  held: int = 2,
+  num_classes: int = 0,
+  public_size: int = 0,
+) -> tuple[int, int]:
+  """``(up, down)`` bytes of one sampled client holding ``held`` modalities in one round.
 
   Up: the adapters + heads (none for FedPer, whose adapters + heads never leave the
   client; pFedMMA's client-specific adapters and RCSR-p's never do either), the
   prototype report ``[2, d]`` float32 (every method keeps the EMA prototypes that
   single-modality clients anchor to) and, for the router's methods, the rest of
-  ``s_k``: ``gamma_k`` (4), ``m_k`` (2) and ``l_k`` (1) as float32. Down: the
-  adapters + heads (none for FedPer) and the EMA prototypes.
+  ``s_k``: ``gamma_k`` (4), ``m_k`` (2) and ``l_k`` (1) as float32. MFCPL adds its
+  per-class prototypes and counts of each held modality (``held x C x (d + 1)``
+  float32), FedMEKT its proxy-set embeddings of each held modality (``held x P x d``
+  float32). Down: the adapters + heads (none for FedPer), the EMA prototypes, and
+  MFCPL's global class prototypes (``2 x C x d``) or FedMEKT's averaged proxy
+  embeddings (``2 x P x d``).
   """
   on = _SWITCHES[name]
   model = 0 if "fedper" in on else sent_bytes(global_params)
   protos = 2 * dim * 4
   stats = 7 * 4 if "router" in on else 0
-  return model + protos + stats, model + protos
+  up, down = model + protos + stats, model + protos
+  if "mfcpl" in on:
+    up += held * num_classes * (dim + 1) * 4
+    down += 2 * num_classes * dim * 4
+  if "mekt" in on:
+    up += held * public_size * dim * 4
+    down += 2 * public_size * dim * 4
+  return up, down
