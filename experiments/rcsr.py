@@ -19,7 +19,9 @@ FedMEKT, RCSR and RCSR-p (FedPer's global row: the mean over clients of their ow
 models); ``:smoke`` is tiny (tests). Two rows beside FedAvg, one seed::
 
   python -m experiments.main --config=experiments/rcsr.py:baselines \
-    --config.methods=fedavg,mfcpl,fedmekt --workdir=/tmp/rcsr_new
+    "--config.methods=('fedavg','mfcpl','fedmekt')" --workdir=/tmp/rcsr_new
+
+(``methods`` is a tuple: its repr parses, a comma string does not).
 
 Scaled from Table 3: 200 -> 20 rounds, T_w 20 -> 5, batch 128 -> 32, adapter 64 -> 16,
 heads 512 -> 128, router width 128 -> 32, lr 1e-4 -> 1e-3 (few rounds).
