@@ -13,8 +13,16 @@ encoders (vit_t + transformer_t) with per-block bottleneck adapters and MLP head
 
 (global Recall@K on a shared test set; per-client Rbar@1 on each client's own held-out
 pairs with its std, worst client and best - worst gap). Variant ``:ablations`` runs
-Table 5's and Sec. C.4's ablations beside FedAvg, RCSR and RCSR-p; ``:smoke`` is tiny
-(tests).
+Table 5's and Sec. C.4's ablations (zero and learnable-placeholder fills) beside FedAvg,
+RCSR and RCSR-p; ``:baselines`` runs FedAvg, FedProx, MFCPL, FedPer, pFedMMA, MOON,
+FedMEKT, RCSR and RCSR-p (FedPer's global row: the mean over clients of their own
+models); ``:smoke`` is tiny (tests). Two rows beside FedAvg, one seed::
+
+  python -m experiments.main --config=experiments/rcsr.py:baselines \
+    "--config.methods=('fedavg','mfcpl','fedmekt')" --workdir=/tmp/rcsr_new
+
+(``methods`` is a tuple: its repr parses, a comma string does not).
+
 Scaled from Table 3: 200 -> 20 rounds, T_w 20 -> 5, batch 128 -> 32, adapter 64 -> 16,
 heads 512 -> 128, router width 128 -> 32, lr 1e-4 -> 1e-3 (few rounds).
 """
@@ -38,6 +46,7 @@ def get_config(arg=None):
   config.train_per_client = 64
   config.test_per_client = 32
   config.global_test = 256
+  config.public_size = 32  # FedMEKT's proxy set: pairs no client holds (not the test set)
   config.image_size = 32
   config.max_caption_len = 16
   config.pretrained = True  # world-clip/vit_t + world-clip/transformer_t, frozen
@@ -60,10 +69,15 @@ def get_config(arg=None):
       "lambda_p": 0.3,
       "personal_start": 5,  # T_p
       "personal_lr_ratio": 0.1,  # Sec. 4.5: personal adapters at 0.1 x lr
+      "mfcpl_weight": 1.0,  # MFCPL: weight on CMPC + CMPR + CMA (kmeans_k prototypes)
+      "mekt_weight": 1.0,  # FedMEKT: weight on the proxy-set KL
+      "mekt_temperature": 3.0,  # FedMEKT's KL temperature (Sec. 5.1)
     }
   )
   if arg == "smoke":
-    config.methods = ("fedavg", "rcsr", "rcsr_p")
+    # pFedMMA: its client-specific adapters go through the resume test (no new compile);
+    # MFCPL and FedMEKT: their state (class prototypes, proxy targets) too.
+    config.methods = ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt")
     config.rounds = 2
     config.eval_every = 1
     config.checkpoint_every = 1
@@ -72,6 +86,7 @@ def get_config(arg=None):
     config.train_per_client = 6
     config.test_per_client = 4
     config.global_test = 8
+    config.public_size = 4
     config.image_size = 16
     config.max_caption_len = 12
     config.pretrained = False
@@ -96,7 +111,21 @@ def get_config(arg=None):
       "fedavg_personal",
       "rcsr_p_fixed",
       "rcsr_zero_fill",
+      "rcsr_placeholder_fill",
+    )
+  elif arg == "baselines":
+    # Table 1's baselines built on RCSR's model beside RCSR and RCSR-p, same data and seeds.
+    config.methods = (
+      "fedavg",
+      "fedprox",
+      "mfcpl",
+      "fedper",
+      "pfedmma",
+      "moon",
+      "fedmekt",
+      "rcsr",
+      "rcsr_p",
     )
   elif arg:
-    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations.")
+    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations, baselines.")
   return config

@@ -16,6 +16,8 @@ from fedjax_mm.models import image, text
 
 N, PER_ROUND, SAMPLES = 4, 3, 6
 MODALITY = np.array([[1, 1], [1, 0], [0, 1], [1, 1]], bool)
+_unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+RNG_PROTOS = _unit(np.random.default_rng(0).normal(size=(N, 2, 8))).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,8 @@ def setup():
   cap = d["caption"].reshape(N, SAMPLES, 2, 12)
   img = img * MODALITY[:, 0, None, None, None, None]
   cap = cap * MODALITY[:, 1, None, None, None]
-  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap)}
+  labels = np.arange(N * SAMPLES).reshape(N, SAMPLES) % 3  # MFCPL's classes
+  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap), "label": jnp.asarray(labels)}
   mask = np.ones((N, SAMPLES), bool)
   mask[3, 4:] = False
   rngs = nnx.Rngs(0)
@@ -51,6 +54,7 @@ def setup():
     router_layers=1,
     warmup_rounds=1,
     client_map="vmap",
+    num_classes=3,
   )
   return spec, glob, personal, frozen, arrays, jnp.asarray(mask), jnp.asarray(MODALITY)
 
@@ -81,17 +85,28 @@ def update_fn(setup):
 
 
 @pytest.fixture(scope="module")
-def state0(setup):
+def public():
+  """FedMEKT's proxy set: 5 pairs of another world draw (caption 0)."""
+  cfg = world.WorldConfig(image_size=16, captions_per_image=2, max_caption_len=12)
+  d = world.generate(1, 5, config=cfg)
+  return {"image": jnp.asarray(d["image"]), "caption": jnp.asarray(d["caption"][:, 0])}
+
+
+@pytest.fixture(scope="module")
+def state0(setup, public):
   spec, glob, personal, frozen, arrays, mask, mod = setup
   init = jax.jit(functools.partial(alg.init, spec))
-  return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2))
+  return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2), public=public)
 
 
 @pytest.fixture(scope="module")
 def step(setup):
   """One jitted round for the module's tests (compiled once per ``moon`` value)."""
   spec, frozen = setup[0], setup[3]
-  return jax.jit(functools.partial(alg.round_step, spec, frozen), static_argnames="moon")
+  return jax.jit(
+    functools.partial(alg.round_step, spec, frozen),
+    static_argnames=("moon", "fedper", "mfcpl", "mekt"),
+  )
 
 
 def _update(setup, fn, k, meth, protos):
@@ -144,20 +159,26 @@ def test_mapped_equals_looped_client_updates(setup, update_fn):
       np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-6)
 
 
-def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step):
+def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step, public):
   spec, glob, personal, frozen, arrays, mask, mod = setup
   states = {}
   for name in alg.METHODS:
     state = state0
+    flags = alg.round_flags(name)
+    if flags["mekt"]:
+      flags["public"] = public
     for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
-      moon = name in alg.NEEDS_PREVIOUS
-      state, metrics = step(alg.method(name), state, arrays, mask, mod, moon=moon)
+      state, metrics = step(alg.method(name), state, arrays, mask, mod, **flags)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
     assert np.isclose(np.nansum(metrics["weight"]), 1.0)
     states[name] = state
   np.testing.assert_allclose(states["rcsr"].fair.q.sum(), 1.0, rtol=1e-6)
   assert not np.allclose(states["rcsr"].fair.q, 1 / N)  # the q game ran
   np.testing.assert_array_equal(states["fedavg"].fair.q, state0.fair.q)
+  # RCSR-p reports the shared loss exactly, so its q game and global model are RCSR's.
+  np.testing.assert_array_equal(states["rcsr_p"].fair.q, states["rcsr"].fair.q)
+  for x, y in zip(*(jax.tree.leaves(states[m].params) for m in ("rcsr_p", "rcsr")), strict=True):
+    np.testing.assert_array_equal(x, y)
   # The global model never depends on the personal adapters: replace them, same round.
   moved = state0.replace(personal=jax.tree.map(lambda x: x + 1.0, state0.personal))
   a, _ = step(alg.method("rcsr_p"), state0, arrays, mask, mod)
@@ -256,3 +277,259 @@ def test_moon_term_acts_and_keeps_previous_models(setup, state0, step):
     prev = jax.tree.map(lambda x, k=k: x[k], moon2.previous)
     before = jax.tree.map(lambda x, k=k: x[k], off.previous)
     assert (max(_changed(prev, before, "").values()) > 0) == sampled[k]
+
+
+@pytest.fixture(scope="module")
+def update_from(setup):
+  """One client's update from given starting adapters + heads (a looped reference)."""
+  spec, frozen = setup[0], setup[3]
+
+  @jax.jit
+  def fn(
+    meth, start, protos, lr, personal_on, k_personal, key, k_arrays, k_mask, k_mod, s_k, extra
+  ):
+    return alg.client_update(
+      spec,
+      frozen,
+      meth,
+      start,
+      protos,
+      lr,
+      personal_on,
+      k_personal,
+      key,
+      k_arrays,
+      k_mask,
+      k_mod,
+      s_k,
+      **extra,
+    )
+
+  return fn
+
+
+def _looped_round(setup, update_from, meth, state, start_of, extra=None):
+  """Round_step's sampling and client updates, one client at a time: ``(idx, news)``
+  with ``news[j] = (adapters + heads, personal)`` of the j-th sampled client;
+  ``extra``: client_update's keyword arguments (MFCPL's, FedMEKT's)."""
+  spec, _, _, _, arrays, mask, mod = setup
+  t = state.round
+  _, k_sample, k_clients = jax.random.split(jax.random.fold_in(state.rng, t), 3)
+  idx = np.sort(np.asarray(jax.lax.top_k(jax.random.uniform(k_sample, (N,)), PER_ROUND)[1]))
+  keys = jax.random.split(k_clients, PER_ROUND)
+  s_k = alg.strength(spec, meth, state.last_wr[idx])
+  news = []
+  for j, k in enumerate(idx):
+    k_arrays = jax.tree.map(lambda x, k=k: x[k], arrays)
+    new_global, new_personal, _ = update_from(
+      meth,
+      start_of(k),
+      state.prototypes,
+      alg.round_lr(spec, t),
+      t >= spec.personal_start,
+      jax.tree.map(lambda x, k=k: x[k], state.personal),
+      keys[j],
+      k_arrays,
+      mask[k],
+      mod[k],
+      s_k[j],
+      {} if extra is None else extra,
+    )
+    news.append((new_global, new_personal))
+  return idx, news
+
+
+def _row(tree, k):
+  return jax.tree.map(lambda x: x[k], tree)
+
+
+def _assert_close(a, b, atol=2e-6):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=atol)
+
+
+def test_fedper_adapters_and_heads_never_leave_the_client(setup, state0, step, update_from):
+  """FedPer: each sampled client trains its own adapters + heads (== a looped reference
+  started from them), keeps them, and the server's model does not move."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  meth = alg.method("fedper")
+  s1, _ = step(meth, state0, arrays, mask, mod, fedper=True)
+  s2, out = step(meth, s1, arrays, mask, mod, fedper=True)
+  for x, y in zip(jax.tree.leaves(s2.params), jax.tree.leaves(state0.params), strict=True):
+    np.testing.assert_array_equal(x, y)
+  idx, news = _looped_round(setup, update_from, meth, s1, lambda k: _row(s1.previous, k))
+  assert np.array_equal(np.flatnonzero(np.asarray(out["sampled"])), idx)
+  for k, (new_global, _) in zip(idx, news, strict=True):
+    _assert_close(_row(s2.previous, k), new_global)
+  # Two clients with different data end with different adapters + heads.
+  assert max(_changed(_row(s2.previous, idx[0]), _row(s2.previous, idx[1]), "").values()) > 1e-4
+  # An unsampled client's model is its own: perturbing it changes no sampled client.
+  j = int(np.flatnonzero(~np.asarray(out["sampled"]))[0])
+  bumped = s1.replace(previous=jax.tree.map(lambda x: x.at[j].add(1.0), s1.previous))
+  s2b, _ = step(meth, bumped, arrays, mask, mod, fedper=True)
+  for k in idx:
+    a, b = jax.tree.leaves(_row(s2b.previous, k)), jax.tree.leaves(_row(s2.previous, k))
+    for x, y in zip(a, b, strict=True):
+      np.testing.assert_array_equal(x, y)
+  # The ledger: no adapters / heads either way, only the prototype report / broadcast.
+  assert alg.traffic_bytes("fedper", glob, spec.dim) == (2 * spec.dim * 4, 2 * spec.dim * 4)
+  up, down = alg.traffic_bytes("fedavg", glob, spec.dim)
+  assert up == down == alg.sent_bytes(glob) + 2 * spec.dim * 4
+
+
+def test_pfedmma_shared_adapters_averaged_client_adapters_stay_home(
+  setup, state0, step, update_from
+):
+  """pFedMMA: the shared adapters + heads are the data-size weighted average of the
+  clients' (computed here by hand from a looped reference); each client's own adapters
+  are what it trained and are never averaged; an unsampled client's are untouched."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  meth = alg.method("pfedmma")
+  assert float(meth.client_scale) == 0.5
+  s1, out = step(meth, state0, arrays, mask, mod)
+  idx, news = _looped_round(setup, update_from, meth, state0, lambda k: state0.params)
+  sizes = np.asarray(mask)[idx].sum(1)
+  w = sizes / sizes.sum()
+  want = jax.tree.map(
+    lambda g, *new: g + sum(wk * (n - g) for wk, n in zip(w, new, strict=True)),
+    state0.params,
+    *[g for g, _ in news],
+  )
+  _assert_close(s1.params, want)
+  for k, (_, new_personal) in zip(idx, news, strict=True):
+    _assert_close(_row(s1.personal, k), new_personal)
+    moved = _changed(_row(s1.personal, k), personal, "client_")
+    held = [t for t, on in zip(("image_", "text_"), np.asarray(mod[k]), strict=True) if on]
+    assert all(max(v for p, v in moved.items() if t in p) > 0 for t in held)
+    assert all(v == 0 for p, v in moved.items() if not any(t in p for t in held))
+    # RCSR-p's adapter is not pFedMMA's: it stays at its initial value.
+    assert all(v == 0 for v in _changed(_row(s1.personal, k), personal, "'personal'").values())
+  a, b = (_row(s1.personal, k) for k in idx[:2])
+  assert max(_changed(a, b, "client_").values()) > 0
+  j = int(np.flatnonzero(~np.asarray(out["sampled"]))[0])
+  for x, y in zip(jax.tree.leaves(_row(s1.personal, j)), jax.tree.leaves(personal), strict=True):
+    np.testing.assert_array_equal(x, y)
+  # The client-specific adapters are not sent.
+  names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(glob)}
+  assert not any("client_" in n for n in names)
+
+
+def test_placeholder_learns_from_the_router_loss_only_after_warm_up(setup, state0, step):
+  """C.4's learnable placeholder: L_R has a gradient in a filled slot; the placeholder is
+  untouched in the warm-up round (router off) and moves in the next; RCSR's does not."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  protos = jnp.asarray(RNG_PROTOS)
+  c_mod = jnp.asarray(MODALITY)
+  grad = jax.grad(
+    lambda p: alg.S.router_loss(
+      state0.router,
+      p,
+      jnp.zeros((N, 4)),
+      c_mod,
+      jnp.ones((N,)),
+      jnp.ones((N,), bool),
+      state0.prototypes,
+      heads=spec.router_heads,
+    )[0]
+  )(protos)
+  filled = ~np.asarray(MODALITY)
+  assert np.abs(np.asarray(grad)[filled]).max() > 0
+  meth = alg.method("rcsr_placeholder_fill")
+  s1, o1 = step(meth, state0, arrays, mask, mod)  # round 1 <= T_w: no router step
+  np.testing.assert_array_equal(s1.placeholder, state0.placeholder)
+  s2, o2 = step(meth, s1, arrays, mask, mod)
+  assert np.abs(np.asarray(s2.placeholder - s1.placeholder)).max() > 0
+  full1, _ = step(alg.method("rcsr"), state0, arrays, mask, mod)
+  full2, f2 = step(alg.method("rcsr"), full1, arrays, mask, mod)
+  np.testing.assert_array_equal(full2.placeholder, state0.placeholder)
+  # ... and it is what the router sees: round 2's L_R differs from the EMA fill's.
+  assert float(o2["router_loss"]) != float(f2["router_loss"])
+
+
+def _fedavg_of(state, idx, news, mask):
+  """The data-size weighted FedAvg of the looped clients' adapters + heads."""
+  sizes = np.asarray(mask)[idx].sum(1)
+  w = sizes / sizes.sum()
+  return jax.tree.map(
+    lambda g, *new: g + sum(wk * (n - g) for wk, n in zip(w, new, strict=True)),
+    state.params,
+    *[g for g, _ in news],
+  )
+
+
+def _mean_rows(num, den, previous):
+  """``num / den`` re-normalised where ``den > 0``, else ``previous`` (numpy)."""
+  mean = num / np.maximum(den, 1)[..., None]
+  norm = np.linalg.norm(mean, axis=-1, keepdims=True)
+  return np.where(den[..., None] > 0, mean / np.maximum(norm, 1e-12), np.asarray(previous))
+
+
+def test_mfcpl_weight_acts_and_server_averages_class_prototypes(setup, state0, step, update_from):
+  """MFCPL: weight 0 is FedAvg (to rounding), weight 1 changes the round; the round ==
+  a looped reference; the server's class prototypes == the count-weighted mean of the
+  sampled clients' per-class prototypes of their held modalities, by hand."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  assert np.asarray(alg.M.valid_prototypes(state0.class_prototypes)).all()  # every class seen
+  fedavg, _ = step(alg.method("fedavg"), state0, arrays, mask, mod)
+  off, _ = step(alg.method("mfcpl", mfcpl_mu=0.0), state0, arrays, mask, mod, mfcpl=True)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  meth = alg.method("mfcpl")
+  s1, _ = step(meth, state0, arrays, mask, mod, mfcpl=True)
+  print("MFCPL vs FedAvg", max(_changed(s1.params, fedavg.params, "").values()))
+  assert max(_changed(s1.params, fedavg.params, "").values()) > 1e-4
+  extra = {"class_prototypes": state0.class_prototypes}
+  idx, news = _looped_round(setup, update_from, meth, state0, lambda k: state0.params, extra)
+  _assert_close(s1.params, _fedavg_of(state0, idx, news, mask))
+  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+  num, den = np.zeros((2, 3, spec.dim)), np.zeros((2, 3))
+  for k, (g, q) in zip(idx, news, strict=True):
+    z = [np.asarray(x) for x in embed(g, q, arrays["image"][k], arrays["caption"][k, :, 0])]
+    labels, valid = np.asarray(arrays["label"][k]), np.asarray(mask[k])
+    for v in range(2):
+      for c in range(3):
+        rows = z[v][(labels == c) & valid]
+        if MODALITY[k, v] and len(rows):
+          mean = rows.mean(0)
+          num[v, c] += len(rows) * mean / np.linalg.norm(mean)
+          den[v, c] += len(rows)
+  want = _mean_rows(num, den, state0.class_prototypes)
+  np.testing.assert_allclose(s1.class_prototypes, want, rtol=2e-4, atol=2e-6)
+
+
+def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
+  setup, state0, step, update_from, public
+):
+  """FedMEKT: the first targets are the initial model's proxy embeddings; weight 0 is
+  FedAvg (to rounding), weight 1 changes the round; the round == a looped reference;
+  the server's targets == the mean proxy embeddings of the sampled clients holding each
+  modality, by hand."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  s0 = state0
+  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+  first = jnp.stack(embed(glob, personal, public["image"], public["caption"]))
+  np.testing.assert_allclose(s0.public_embeddings, first, rtol=1e-5, atol=1e-6)
+  kw = {"mekt": True, "public": public}
+  fedavg, _ = step(alg.method("fedavg"), s0, arrays, mask, mod)
+  off, _ = step(alg.method("fedmekt", mekt_mu=0.0), s0, arrays, mask, mod, **kw)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  # Round 2: the targets (the clients' round-1 average) differ from the global model's.
+  fedavg2, _ = step(alg.method("fedavg"), off, arrays, mask, mod)
+  meth = alg.method("fedmekt")
+  s2, _ = step(meth, off, arrays, mask, mod, **kw)
+  print("FedMEKT vs FedAvg", max(_changed(s2.params, fedavg2.params, "").values()))
+  assert max(_changed(s2.params, fedavg2.params, "").values()) > 1e-4
+  extra = {"public": public, "public_targets": off.public_embeddings}
+  idx, news = _looped_round(setup, update_from, meth, off, lambda k: off.params, extra)
+  # (Adam's steps on near-zero gradients magnify the rounding of mapped vs looped.)
+  _assert_close(s2.params, _fedavg_of(off, idx, news, mask), atol=2e-5)
+  sums, n = np.zeros((2, 5, spec.dim)), np.zeros(2)
+  for k, (g, q) in zip(idx, news, strict=True):
+    e = np.stack([np.asarray(x) for x in embed(g, q, public["image"], public["caption"])])
+    for v in range(2):
+      if MODALITY[k, v]:
+        sums[v] += e[v]
+        n[v] += 1
+  want = np.where(
+    n[:, None, None] > 0, sums / np.maximum(n, 1)[:, None, None], off.public_embeddings
+  )
+  np.testing.assert_allclose(s2.public_embeddings, want, rtol=2e-4, atol=2e-6)

@@ -21,6 +21,8 @@ from fedjax_mm.runner.errors import ConfigError
     ("missing_rate", -0.1, "missing_rate must be in [0, 1)"),
     ("participation", 0.1, "participation * num_clients must be >= 1"),
     ("methods", ("rcsr", "fedsgd"), "unknown ['fedsgd']"),
+    ("public_size", 0, "public_size must be >= 1"),
+    ("public_size", 40, "global_test + public_size must be <= 40"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -45,13 +47,32 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
     "experiments/rcsr.py:smoke", tmp_path / "run", cache_dir=main_cache, timeout=600
   )
   assert code == 0, err[-3000:]
-  assert "| rcsr_p" in out and "| chance" in out
+  assert "| rcsr_p" in out and "| pfedmma" in out and "| chance" in out
+  assert "| mfcpl" in out and "| fedmekt" in out
   results = json.loads((tmp_path / "run" / "results.json").read_text())
-  for m in ("fedavg", "rcsr", "rcsr_p"):
+  for m in ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt"):
     final = results["methods"][m]
     assert len(final["own"]["R@1"]) == 4 and "std_R@1" in final["fairness"]
     assert abs(sum(final["q"]) - 1) < 1e-5
   assert results["methods"]["fedavg"]["q"] == [0.25] * 4  # no q game for FedAvg
+  ledger = results["bytes_per_client_round"]
+  assert ledger["pfedmma"] == ledger["fedavg"]  # the client-specific adapters stay home
+  assert ledger["rcsr"]["up"] == ledger["fedavg"]["up"] + 7 * 4  # gamma_k, m_k, l_k
+  # MFCPL: + per-class prototypes and counts of each held modality (kmeans_k = 3, d = 8);
+  # FedMEKT: + proxy-set embeddings of each held modality (public_size = 4).
+  cfg = rcsr_config.get_config("smoke")
+  c, d, p = cfg.kmeans_k, cfg.dim, cfg.public_size
+  fedavg = ledger["fedavg"]
+  assert ledger["mfcpl"] == {
+    "up": fedavg["up"] + 2 * c * (d + 1) * 4,
+    "down": fedavg["down"] + 2 * c * d * 4,
+    "up_single": fedavg["up"] + c * (d + 1) * 4,
+  }
+  assert ledger["fedmekt"] == {
+    "up": fedavg["up"] + 2 * p * d * 4,
+    "down": fedavg["down"] + 2 * p * d * 4,
+    "up_single": fedavg["up"] + p * d * 4,
+  }
   assert (tmp_path / "run" / "checkpoints").exists()
 
   # A crash after round 1's checkpoint: the rerun (same command, so the same devices and
@@ -73,4 +94,5 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   table = runner.summarize([workdir])
   rcsr, fedavg = (results["methods"][m]["global"]["R@1"] for m in ("rcsr", "fedavg"))
   assert f"| {rcsr:.1f} ± 0.0" in table
-  assert "| rcsr - fedavg (paired) | " in table and f"| {rcsr - fedavg:.1f} ± 0.0" in table
+  assert re.search(r"\| rcsr - fedavg \(paired\) +\| ", table)
+  assert f"| {rcsr - fedavg:.1f} ± 0.0" in table

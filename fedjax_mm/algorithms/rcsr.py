@@ -24,19 +24,99 @@ come back bit-identical. The round gathers the ``floor(C N)`` sampled clients,
 trains them with :func:`fedjax_mm.core.client.map_clients` over
 :func:`fedjax_mm.core.client.local_update`, and scatters the personal state back.
 
-**Methods as numbers.** FedAvg, FedProx, RCSR, RCSR-p and the ablations of Table 5 and
-Sec. C.4 differ only in the traced scalars of :class:`Method` (prototype-proximal and
-parameter-proximal weights, FedProx mu, router on, q on, personalisation on, fixed
-``s_k``, zero fill of the missing slot), so they all run the same compiled round. MOON
+**Methods as numbers.** FedAvg, FedProx, pFedMMA, RCSR, RCSR-p and the ablations of
+Table 5 and Sec. C.4 differ only in the traced scalars of :class:`Method`
+(prototype-proximal and parameter-proximal weights, FedProx mu, router on, q on,
+personalisation on, fixed ``s_k``, zero or placeholder fill of the missing slot,
+pFedMMA's client-adapter scale), so they all run the same compiled round. MOON
 (Li, He & Song, CVPR 2021; RCSR's Sec. 5.1: temperature 0.5, weight 1) adds
 :func:`fedjax_mm.losses.rcsr.moon_loss` between a client's embeddings and those of the
 global model and of the client's previous local model (adapters + heads, kept per client
 in the state), on every modality the client holds; it needs those two extra forward
 passes, so it is a static switch of :func:`round_step` (its own compile), and it
 aggregates as FedAvg. A client never sampled before uses the initial model as its
-previous one. FedAvg / FedProx single-modality clients use L_anchor to the EMA
-prototypes (Sec. 5.1), which therefore are kept for them too; their aggregation
-weights are ``|D_k| / sum |D_j|``.
+previous one. MFCPL and FedMEKT (below) are static switches too (``mfcpl=True``,
+``mekt=True``: their own compiles), so the other methods' programs are unchanged.
+FedAvg / FedProx single-modality clients use L_anchor to the EMA prototypes (Sec.
+5.1), which therefore are kept for them too; their aggregation weights are
+``|D_k| / sum |D_j|``.
+
+**Personalised baselines (Table 1).** All on the same frozen encoders, adapters and
+heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAvg.
+
+* **FedPer** (Arivazhagan et al., 2019; RCSR's Sec. 5.1: "adapters/projection heads as
+  personalized layers, not aggregated"). On this model every trained part is an adapter
+  or a head, so *all* of them are personal: a sampled client starts from its own adapters
+  + heads (``state.previous``, the initial model until first sampled), trains them as
+  FedAvg's clients do and keeps them; the server aggregates nothing and ``state.params``
+  never moves. It is a static switch of :func:`round_step` (``fedper=True``: the clients'
+  starting points are mapped, not closed over). Nothing but the prototype report goes
+  up, and only the EMA prototypes come down (:func:`traffic_bytes`). Declared: a client's
+  own score uses its own model; FedPer's *global* score is the mean over the N clients
+  of their own models' scores on the shared test set (there is no shared model).
+* **pFedMMA** (Ghiasvand, Alizadeh & Pedarsani, 2025, arXiv:2507.05394; Sec. 5.1:
+  "shared + client-specific components, scale 0.5"). pFedMMA's multi-modal adapter keeps
+  its modality-specific down / up projections on the client and shares (and exchanges)
+  only a cross-modal projection between them. RCSR's model has towers of different widths
+  and the shared bottleneck adapters every baseline uses, so we declare this mapping:
+  the shared component is the bottleneck adapter after each block plus the heads
+  (aggregated by FedAvg), and the client-specific component is a second bottleneck
+  adapter of the same shape after each block of each tower (``client_image_adapters``,
+  ``client_text_adapters``; modality-specific like pFedMMA's local projections), added in
+  parallel at scale 0.5 on the same input: ``h + A(h) + 0.5 A_k(h)``. It is ``personal``
+  state (never sent, never aggregated, checkpointed), trains with the shared parts at the
+  same learning rate (pFedMMA trains both jointly), its missing tower's update masked like
+  the shared one; its prototypes and its clients' scores use ``A_k``, its global score the
+  shared model alone (as RCSR-p's). For every other method the scale is 0 and the branch
+  adds exact zeros.
+* **FedMEKT** (Le et al., "FedMEKT: Distillation-based embedding knowledge transfer for
+  multimodal federated learning", Neural Networks 183, 2025, arXiv:2307.13214; Sec. 5.1:
+  "embedding knowledge transfer via KL divergence, temperature 3.0"). FedMEKT's server
+  and clients exchange embeddings of a small multimodal proxy set and distil towards
+  them with :func:`fedjax_mm.losses.fedmekt.embedding_distillation` (``T^2 KL`` of the
+  softmax over an embedding's coordinates at T = 3, the authors' ``KL_Loss``).
+  Adaptations (declared): (i) the proxy set is a seeded slice of the world's pairs held
+  by no client and outside the global test set (RCSR's experiment has no public set;
+  :mod:`fedjax_mm.runner.rcsr`), caption 0 per image; (ii) the adapters + heads are
+  still averaged by FedAvg, as every Table 1 row shares this model and Sec. 6 puts
+  FedMEKT's traffic *above* FedAvg's (109%): parameters + embeddings; FedMEKT's own
+  server-side distillation of a global encoder (its upstream transfer) is therefore
+  replaced by averaging: the server's "knowledge" is the plain mean (the authors'
+  ``1 / k``) of the sampled clients' proxy embeddings per modality, over the clients
+  that hold it (:func:`fedjax_mm.server.rcsr.embedding_average`); (iii) downstream, each
+  client adds ``mekt_mu`` x the KL of its embeddings of the proxy set towards that
+  average (the mean over its held modalities), at every local step over the whole proxy
+  set; the round-1 target is the initial model's embeddings; (iv) the distilled vectors
+  are the L2-normalised ``d``-dim embeddings every method shares (FedMEKT distils
+  unnormalised encoder outputs), so at T = 3 the term is weak: for small differences
+  its gradient is ``~ (z - t) / d``; (v) one weight ``mekt_mu`` (default 1.0; FedMEKT's
+  code weights its two layers 0.1 and 0.04) and no classifier stage (retrieval has
+  none). Table 1 lists FedMEKT among the personalised rows, yet it has no personal
+  state: it is scored with the shared model, like FedAvg.
+* **MFCPL** (Le et al., "Cross-Modal Prototype based Multimodal Federated Learning under
+  Severely Missing Modality", Information Fusion 122, 2025, arXiv:2401.13898; Sec. 5.1:
+  "10 prototypes per modality, CMPC + CMPR + CMA losses"). The terms are reconstructed
+  in :mod:`fedjax_mm.losses.mfcpl` (only the paper's abstract and the components' roles
+  were reachable, not its equations); adaptations (declared): (i) the classes are the
+  K-Means pseudo-labels of the non-IID split (the world's retrieval clients have no
+  labels), so ``C = kmeans_k`` prototypes per modality (10 by default, as Sec. 5.1);
+  the labels are an oracle for an image-only client (they come from its images'
+  captions, which it does not hold); (ii) a client reports, after training, the
+  normalised per-class mean of its embeddings of each held modality and the class
+  counts; the server takes the count-weighted mean per (modality, class), re-normalised
+  (FedProto's rule; :func:`fedjax_mm.server.rcsr.class_prototype_average`), a class no
+  sampled client reported keeping its previous prototype; the round-1 prototypes come
+  from the initial model over every client; (iii) the client loss is eq. (5)'s (L_NCE
+  or L_anchor) plus ``mfcpl_mu`` (default 1.0) x [mean over held modalities of CMPC +
+  CMPR, plus CMA for paired clients], CMPC at tau = 0.07 (the model's contrastive
+  temperature); (iv) adapters + heads are averaged by FedAvg.
+* **Learnable placeholder** (Sec. C.4): the missing slot of ``s_k`` holds a learnt
+  ``[2, d]`` vector shared by all clients (C.4: "learnable placeholders are shared across
+  clients"), trained with the router by the same Adam step on L_R after warm-up. Filled
+  slots are masked out of the router's attention and of L_pc, so its gradient comes
+  through eq. (9)'s ``d_k``; gamma_k uses its value at the start of the round. It starts
+  as a random unit vector per modality, and, like the zero fill, it changes the router's
+  input only (the EMA update always uses the EMA fill).
 
 Choices where the paper is silent (declared):
 
@@ -75,6 +155,8 @@ import optax
 from flax import nnx, struct
 
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
+from fedjax_mm.losses import fedmekt as F
+from fedjax_mm.losses import mfcpl as M
 from fedjax_mm.losses import rcsr as L
 from fedjax_mm.server import rcsr as S
 
@@ -87,7 +169,11 @@ GLOBAL = nnx.Any(
   nnx.PathContains("image_head"),
   nnx.PathContains("text_head"),
 )
-PERSONAL = nnx.PathContains("personal")
+PERSONAL = nnx.Any(
+  nnx.PathContains("personal"),
+  nnx.PathContains("client_image_adapters"),
+  nnx.PathContains("client_text_adapters"),
+)
 
 
 class BottleneckAdapter(nnx.Module):
@@ -99,8 +185,12 @@ class BottleneckAdapter(nnx.Module):
     self.down = nnx.Linear(width, dim, kernel_init=init, rngs=rngs)
     self.up = nnx.Linear(dim, width, kernel_init=init, rngs=rngs)
 
+  def residual(self, x: Array) -> Array:
+    """``W_up ReLU(W_down LN(x))`` (the branch added to ``x``)."""
+    return self.up(jax.nn.relu(self.down(self.norm(x))))
+
   def __call__(self, x: Array) -> Array:
-    return x + self.up(jax.nn.relu(self.down(self.norm(x))))
+    return x + self.residual(x)
 
 
 class Head(nnx.Module):
@@ -152,26 +242,44 @@ class RcsrModel(nnx.Module):
     self.image_head = Head(wi, head_hidden, dim, rngs=rngs)
     self.text_head = Head(wt, head_hidden, dim, rngs=rngs)
     self.personal = Personal(dim, personal_hidden, rngs=rngs)
+    # pFedMMA's client-specific adapters (made last, so the parts above draw the same
+    # initial values as before they existed).
+    self.client_image_adapters = nnx.List(
+      [BottleneckAdapter(wi, adapter_dim, rngs=rngs) for _ in image_encoder.blocks]
+    )
+    self.client_text_adapters = nnx.List(
+      [BottleneckAdapter(wt, adapter_dim, rngs=rngs) for _ in text_encoder.blocks]
+    )
 
-  def embed_image(self, x: Array) -> Array:
+  @staticmethod
+  def _adapt(shared, client, h: Array, client_scale: Array | None) -> Array:
+    """After one block: ``h + A(h)``, plus pFedMMA's ``client_scale A_k(h)`` when given."""
+    out = shared(h)
+    if client_scale is None:
+      return out
+    return out + client_scale * client.residual(h)
+
+  def embed_image(self, x: Array, client_scale: Array | None = None) -> Array:
     """``[b, S, S, C] -> [b, d]`` normalised (the ViT's forward with adapters)."""
     enc = self.image_encoder
     b, _, _, c = x.shape
     g, p = enc.grid, enc.patch
     patches = x.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, g * g, p * p * c)
     tokens = enc.embed(patches) + enc.pos[...]
-    for block, adapter in zip(enc.blocks, self.image_adapters, strict=True):
-      tokens = adapter(block(tokens))
+    adapters = zip(enc.blocks, self.image_adapters, self.client_image_adapters, strict=True)
+    for block, adapter, client in adapters:
+      tokens = self._adapt(adapter, client, block(tokens), client_scale)
     pooled = enc.norm(tokens).mean(axis=1)
     return L.normalize(self.image_head(pooled))
 
-  def embed_text(self, x: Array) -> Array:
+  def embed_text(self, x: Array, client_scale: Array | None = None) -> Array:
     """``[b, L] int -> [b, d]`` normalised (the text Transformer's forward with adapters)."""
     enc = self.text_encoder
     mask = x != 0
     h = enc.embed(x) + enc.pos[: x.shape[1]]
-    for block, adapter in zip(enc.blocks, self.text_adapters, strict=True):
-      h = adapter(block(h, mask))
+    adapters = zip(enc.blocks, self.text_adapters, self.client_text_adapters, strict=True)
+    for block, adapter, client in adapters:
+      h = self._adapt(adapter, client, block(h, mask), client_scale)
     h = enc.norm(h) * mask[..., None]
     pooled = (h * mask[..., None]).sum(1) / jnp.maximum(mask.sum(1), 1)[:, None]
     return L.normalize(self.text_head(pooled))
@@ -213,6 +321,9 @@ class RcsrDef:
   personal_lr_ratio: float = 0.1  # Sec. 4.5: the personal adapters train at 0.1 x lr
   client_map: str = "auto"
   eval_batch: int = 256
+  num_classes: int = 10  # MFCPL's prototypes per modality (the K-Means pseudo-labels)
+  mfcpl_temperature: float = L.TAU_NCE  # CMPC's tau
+  mekt_temperature: float = F.TEMPERATURE  # FedMEKT's KL temperature (3.0)
 
   def merge(self, global_params, personal, frozen) -> RcsrModel:
     return nnx.merge(self.graphdef, global_params, personal, frozen)
@@ -231,6 +342,11 @@ class Method:
   fixed_strength: Array  # bool: s_k = lambda_p for every client instead of eq. (13)
   zero_fill: Array  # bool: the missing prototype slot of s_k is 0, not the EMA prototype
   moon_mu: Array  # MOON's model-contrastive weight (needs round_step(moon=True)); 0 otherwise
+  placeholder_fill: Array  # bool: the missing slot of s_k is the learnt placeholder (C.4)
+  client_scale: Array  # pFedMMA's scale on the client-specific adapters; 0 otherwise
+  fedper: Array  # bool: adapters + heads personal (needs round_step(fedper=True))
+  mfcpl_mu: Array  # MFCPL's weight on CMPC + CMPR + CMA (needs round_step(mfcpl=True))
+  mekt_mu: Array  # FedMEKT's weight on the proxy-set KL (needs round_step(mekt=True))
 
 
 # name -> the switches it turns on. The last five are Table 5's and Sec. C.4's ablations:
@@ -238,8 +354,7 @@ class Method:
 # lambda_a = lambda_s = 0: L_align is what Sec. 5.6 calls the client alignment loss),
 # "FedAvg + per-client adapter" (RCSR-p's adapters on FedAvg; s_k from the initial w^R
 # = 1 / floor(C N), since FedAvg has no router), "RCSR-p (fixed lambda)" (s_k = lambda_p)
-# and the zero-padding fill of the missing slot (C.4; the learnable placeholder is not
-# built).
+# and the zero-padding and learnable-placeholder fills of the missing slot (C.4).
 _SWITCHES: dict[str, tuple[str, ...]] = {
   "fedavg": (),
   "fedprox": ("prox",),
@@ -251,10 +366,31 @@ _SWITCHES: dict[str, tuple[str, ...]] = {
   "rcsr_p_fixed": ("align", "router", "fair", "personal", "fixed_strength"),
   "rcsr_zero_fill": ("align", "router", "fair", "zero_fill"),
   "moon": ("moon",),
+  "fedper": ("fedper",),
+  "pfedmma": ("mma",),
+  "rcsr_placeholder_fill": ("align", "router", "fair", "placeholder"),
+  "mfcpl": ("mfcpl",),
+  "fedmekt": ("mekt",),
 }
 # Methods whose round needs the clients' previous local models (a separate compile).
 NEEDS_PREVIOUS = ("moon",)
+# Methods whose clients start from their own adapters + heads (a separate compile).
+PERSONAL_MODELS = ("fedper",)
+# MFCPL's class prototypes and FedMEKT's proxy-set distillation (a compile each).
+CLASS_PROTOTYPES = ("mfcpl",)
+PROXY_EMBEDDINGS = ("fedmekt",)
 METHODS = tuple(_SWITCHES)
+PFEDMMA_SCALE = 0.5  # RCSR's Sec. 5.1: "shared + client-specific components, scale 0.5"
+
+
+def round_flags(name: str) -> dict[str, bool]:
+  """The static keyword arguments of :func:`round_step` that method ``name`` needs."""
+  return {
+    "moon": name in NEEDS_PREVIOUS,
+    "fedper": name in PERSONAL_MODELS,
+    "mfcpl": name in CLASS_PROTOTYPES,
+    "mekt": name in PROXY_EMBEDDINGS,
+  }
 
 
 def method(
@@ -264,6 +400,8 @@ def method(
   lambda_s: float = 0.01,
   mu: float = 0.1,
   moon_mu: float = 1.0,
+  mfcpl_mu: float = 1.0,
+  mekt_mu: float = 1.0,
 ) -> Method:
   """The :class:`Method` of one of :data:`METHODS`."""
   if name not in _SWITCHES:
@@ -282,6 +420,11 @@ def method(
     fixed_strength=b("fixed_strength"),
     zero_fill=b("zero_fill"),
     moon_mu=f(moon_mu if "moon" in on else 0.0),
+    placeholder_fill=b("placeholder"),
+    client_scale=f(PFEDMMA_SCALE if "mma" in on else 0.0),
+    fedper=b("fedper"),
+    mfcpl_mu=f(mfcpl_mu if "mfcpl" in on else 0.0),
+    mekt_mu=f(mekt_mu if "mekt" in on else 0.0),
   )
 
 
@@ -305,7 +448,11 @@ class RcsrState:
   prototypes: Array  # [2, d] EMA prototypes (pbar_I, pbar_T)
   prev_update: Array  # [P] last global update (gamma_k's entry 2)
   last_wr: Array  # [N] each client's last w^R (eq. 13's input)
-  previous: PyTree  # [N, ...] each client's last local adapters + heads (MOON's z_prev)
+  previous: PyTree  # [N, ...] each client's last local adapters + heads (MOON's z_prev,
+  # FedPer's personal model)
+  placeholder: Array  # [2, d] C.4's learnable placeholder of a missing prototype slot
+  class_prototypes: Array  # [2, C, d] MFCPL's global per-class prototypes (0: no class yet)
+  public_embeddings: Array  # [2, P, d] FedMEKT's average of the clients' proxy embeddings
   method: Method  # the run's switches (evaluation applies its personal adapters / s_k)
 
 
@@ -340,25 +487,46 @@ def _tower_flags(params: PyTree, modality: Array) -> PyTree:
   return jax.tree_util.tree_map_with_path(flag, params)
 
 
+def _is_client_adapter(path) -> bool:
+  return "client_" in jax.tree_util.keystr(path)
+
+
 def masked_tx(
   shared_tx: optax.GradientTransformation,
   personal_tx: optax.GradientTransformation,
   modality: Array,
   personal_on: Array,
+  client_tx: optax.GradientTransformation | None = None,
+  client_on: Array | bool = False,
 ) -> optax.GradientTransformation:
-  """AdamW on ``{"global", "personal"}`` with the *update* masked per tower / switch."""
+  """AdamW on ``{"global", "personal"}`` with the *update* masked per tower / switch.
+
+  In ``personal``, RCSR-p's adapter steps with ``personal_tx`` where ``personal_on``;
+  pFedMMA's client-specific adapters step with ``client_tx`` (default ``shared_tx``)
+  where ``client_on``, masked per tower like the shared ones; nothing else moves.
+  """
+  client_tx = shared_tx if client_tx is None else client_tx
 
   def init(params):
-    return shared_tx.init(params["global"]), personal_tx.init(params["personal"])
+    p = params["personal"]
+    return shared_tx.init(params["global"]), personal_tx.init(p), client_tx.init(p)
 
   def update(grads, state, params):
     ug, sg = shared_tx.update(grads["global"], state[0], params["global"])
     up, sp = personal_tx.update(grads["personal"], state[1], params["personal"])
+    uc, sc = client_tx.update(grads["personal"], state[2], params["personal"])
     flags = _tower_flags(ug, modality)
     # jnp.where, not a product: a NaN / Inf update of the missing tower stays out too.
     ug = jax.tree.map(lambda u, f: jnp.where(f > 0, u, 0.0), ug, flags)
-    up = jax.tree.map(lambda u: jnp.where(personal_on, u, 0.0), up)
-    return {"global": ug, "personal": up}, (sg, sp)
+    client_flags = _tower_flags(uc, modality)
+
+    def pick(path, u_p, u_c, f):
+      if _is_client_adapter(path):
+        return jnp.where(client_on & (f > 0), u_c, 0.0)
+      return jnp.where(personal_on, u_p, 0.0)
+
+    up = jax.tree_util.tree_map_with_path(pick, up, uc, client_flags)
+    return {"global": ug, "personal": up}, (sg, sp, sc)
 
   return optax.GradientTransformation(init, update)
 
@@ -371,23 +539,69 @@ def round_lr(spec: RcsrDef, t: Array) -> Array:
   return spec.lr * warm * cos
 
 
+def _held_mean(modality: Array, image_term: Array, text_term: Array) -> Array:
+  """The mean of two per-modality terms over the modalities the client holds."""
+  held = modality.astype(image_term.dtype)
+  total = jnp.where(modality[0], image_term, 0.0) + jnp.where(modality[1], text_term, 0.0)
+  return total / jnp.maximum(held.sum(), 1.0)
+
+
+def mfcpl_terms(spec, z_i, z_t, labels, mask, modality, class_prototypes):
+  """MFCPL's ``CMPC + CMPR`` (mean over held modalities) ``+ CMA`` (paired) for one batch."""
+  count = jnp.maximum(mask.sum(), 1).astype(z_i.dtype)
+  complete = M.complete_prototypes(class_prototypes)
+
+  def per_modality(z, other):
+    cmpc = M.prototype_contrastive(
+      z, labels, other, temperature=spec.mfcpl_temperature, where=mask
+    ).sum()
+    cmpr = M.prototype_regularization(z, labels, complete, where=mask).sum()
+    return (cmpc + cmpr) / count
+
+  specific = _held_mean(
+    modality,
+    per_modality(z_i, class_prototypes[1]),
+    per_modality(z_t, class_prototypes[0]),
+  )
+  cma = M.cross_modal_alignment(z_i, z_t, where=mask).sum() / count
+  return specific + jnp.where(modality[0] & modality[1], cma, 0.0)
+
+
 def client_objective(
-  spec, frozen, global_start, modality, prototypes, strength, meth, previous=None
+  spec,
+  frozen,
+  global_start,
+  modality,
+  prototypes,
+  strength,
+  meth,
+  previous=None,
+  *,
+  class_prototypes=None,
+  public=None,
+  public_targets=None,
 ):
   """Eq. (5) (+ FedProx, + RCSR-p's personal loss, + MOON's) for ONE client as an Objective.
 
   ``previous`` (the client's last local adapters + heads) turns on MOON's
   model-contrastive term, weighted by ``meth.moon_mu``, on every modality the client
   holds (the mean over them); the global and previous models are frozen for it.
+  pFedMMA's client-specific adapters enter every forward at ``meth.client_scale`` (0
+  for every other method). ``class_prototypes`` (``[2, C, d]``, with ``batch["label"]``)
+  turns on MFCPL's terms (:func:`mfcpl_terms`, weight ``meth.mfcpl_mu``); ``public``
+  (the proxy set: ``image [P, S, S, C]``, ``caption [P, L]``) and ``public_targets``
+  (``[2, P, d]``) turn on FedMEKT's distillation of the client's proxy embeddings
+  towards the targets (weight ``meth.mekt_mu``), both over the modalities it holds.
   """
+  cs = meth.client_scale
 
   def moon_term(params, x_image, text, mask, z_i, z_t):
     frozen_model = lambda p: spec.merge(p, params["personal"], frozen)
     g = frozen_model(jax.lax.stop_gradient(global_start))
     q = frozen_model(jax.lax.stop_gradient(previous))
     per = lambda z, zg, zq: L.moon_loss(z, zg, zq, where=mask).sum() / jnp.maximum(mask.sum(), 1)
-    m_i = per(z_i, g.embed_image(x_image), q.embed_image(x_image))
-    m_t = per(z_t, g.embed_text(text), q.embed_text(text))
+    m_i = per(z_i, g.embed_image(x_image, cs), q.embed_image(x_image, cs))
+    m_t = per(z_t, g.embed_text(text, cs), q.embed_text(text, cs))
     held = modality.astype(m_i.dtype)
     return (held[0] * m_i + held[1] * m_t) / jnp.maximum(held.sum(), 1.0)
 
@@ -396,8 +610,8 @@ def client_objective(
     caps = batch["caption"]
     pick = jax.random.randint(key, (caps.shape[0],), 0, caps.shape[1])
     text = jnp.take_along_axis(caps, pick[:, None, None], axis=1)[:, 0]
-    z_i = model.embed_image(batch["image"])
-    z_t = model.embed_text(text)
+    z_i = model.embed_image(batch["image"], cs)
+    z_t = model.embed_text(text, cs)
     prox = L.parameter_proximal(params["global"], global_start)
     loss, terms = L.rcsr_client_loss(
       z_i,
@@ -414,6 +628,14 @@ def client_objective(
     loss = loss + 0.5 * meth.prox_mu * prox
     if previous is not None:
       loss = loss + meth.moon_mu * moon_term(params, batch["image"], text, mask, z_i, z_t)
+    if class_prototypes is not None:
+      terms = mfcpl_terms(spec, z_i, z_t, batch["label"], mask, modality, class_prototypes)
+      loss = loss + meth.mfcpl_mu * terms
+    if public is not None:
+      kd = lambda z, t: F.embedding_distillation(z, t, temperature=spec.mekt_temperature).mean()
+      kd_i = kd(model.embed_image(public["image"], cs), public_targets[0])
+      kd_t = kd(model.embed_text(public["caption"], cs), public_targets[1])
+      loss = loss + meth.mekt_mu * _held_mean(modality, kd_i, kd_t)
     # RCSR-p (eq. 12): personal features from the shared ones under stop-gradient.
     pz_i = model.personalise(jax.lax.stop_gradient(z_i), strength)
     pz_t = model.personalise(jax.lax.stop_gradient(z_t), strength)
@@ -431,8 +653,10 @@ def client_objective(
     )
     p_loss = jnp.where(meth.personal, p_loss, 0.0)
     # The value is the shared loss (the l_k a client reports); the gradient includes the
-    # personal loss's, which reaches only the personal adapter.
-    return loss + p_loss - jax.lax.stop_gradient(p_loss), {"personal_loss": p_loss}
+    # personal loss's, which reaches only the personal adapter. The parentheses keep the
+    # value *exactly* the shared loss ((loss + p) - p is not, in float32), so RCSR-p's q
+    # game and global model are RCSR's bit for bit.
+    return loss + (p_loss - jax.lax.stop_gradient(p_loss)), {"personal_loss": p_loss}
 
   return objective
 
@@ -452,16 +676,39 @@ def client_update(
   modality: Array,
   strength: Array,
   previous: PyTree | None = None,
+  *,
+  class_prototypes: Array | None = None,
+  public: dict[str, Array] | None = None,
+  public_targets: Array | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
   """Local training of ONE client; returns ``(new global params, new personal, stats)``.
 
   ``previous``: the client's last local adapters + heads, for MOON (else None).
+  ``class_prototypes``: MFCPL's global ``[2, C, d]`` (``arrays`` then hold ``label``);
+  ``public`` + ``public_targets``: FedMEKT's proxy set and the server's average of its
+  embeddings (see :func:`client_objective`).
   """
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
   personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
-  tx = masked_tx(shared_tx, personal_tx, modality, personal_on & meth.personal)
+  tx = masked_tx(
+    shared_tx,
+    personal_tx,
+    modality,
+    personal_on & meth.personal,
+    client_on=meth.client_scale > 0,
+  )
   obj = client_objective(
-    spec, frozen, global_params, modality, prototypes, strength, meth, previous
+    spec,
+    frozen,
+    global_params,
+    modality,
+    prototypes,
+    strength,
+    meth,
+    previous,
+    class_prototypes=class_prototypes,
+    public=public,
+    public_targets=public_targets,
   )
   params = {"global": global_params, "personal": personal}
   params, _, _, stats = local_update(
@@ -478,13 +725,40 @@ def client_update(
   return params["global"], params["personal"], stats
 
 
-def client_prototypes(spec, frozen, params, personal, arrays, sample_mask, modality, prototypes):
-  """``[2, d]`` reported prototypes (eq. 6): local where held, the EMA one where filled."""
+def client_embeddings(spec, frozen, params, personal, images, captions, client_scale=None):
+  """``(z_I [n, d], z_T [n, d])`` of ``images [n, S, S, C]`` and ``captions [n, L]``."""
   model = spec.merge(params, personal, frozen)
-  z_i = apply_in_batches(model.embed_image, arrays["image"], spec.eval_batch)
-  z_t = apply_in_batches(model.embed_text, arrays["caption"][:, 0], spec.eval_batch)
+  embed_i = lambda x: model.embed_image(x, client_scale)
+  embed_t = lambda x: model.embed_text(x, client_scale)
+  z_i = apply_in_batches(embed_i, images, spec.eval_batch)
+  z_t = apply_in_batches(embed_t, captions, spec.eval_batch)
+  return z_i, z_t
+
+
+def _reported(z_i, z_t, sample_mask, modality, prototypes):
   local = jnp.stack([L.prototype(z_i, where=sample_mask), L.prototype(z_t, where=sample_mask)])
   return jnp.where(modality[:, None], local, prototypes)
+
+
+def _class_report(spec, z_i, z_t, labels, sample_mask, modality):
+  """MFCPL's upload: ``([2, C, d] per-class prototypes, [2, C] counts)``, 0 where not held."""
+  p_i, n_i = M.class_prototypes(z_i, labels, spec.num_classes, where=sample_mask)
+  p_t, n_t = M.class_prototypes(z_t, labels, spec.num_classes, where=sample_mask)
+  counts = jnp.stack([n_i, n_t]) * modality[:, None].astype(n_i.dtype)
+  return jnp.stack([p_i, p_t]), counts
+
+
+def client_prototypes(
+  spec, frozen, params, personal, arrays, sample_mask, modality, prototypes, client_scale=None
+):
+  """``[2, d]`` reported prototypes (eq. 6): local where held, the EMA one where filled.
+
+  ``client_scale``: pFedMMA's, so its prototypes come from the client's own model.
+  """
+  z_i, z_t = client_embeddings(
+    spec, frozen, params, personal, arrays["image"], arrays["caption"][:, 0], client_scale
+  )
+  return _reported(z_i, z_t, sample_mask, modality, prototypes)
 
 
 def _flat(tree: PyTree) -> Array:
@@ -501,38 +775,65 @@ def init(
   modality: Array,
   key: Array,
   meth: Method | None = None,
+  *,
+  public: dict[str, Array] | None = None,
 ) -> RcsrState:
   """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes.
 
   ``meth`` (default FedAvg's) is stored for evaluation; :func:`round_step` takes the
-  method it runs as its own argument.
+  method it runs as its own argument. Like the EMA prototypes, MFCPL's class
+  prototypes (when ``arrays`` hold ``label``) start from the frozen initial model over
+  every client's held modalities, aggregated as a round would; FedMEKT's proxy targets
+  (when ``public`` is given) start as the initial model's embeddings of the proxy set.
   """
   n = spec.num_clients
   k_router, k_rng = jax.random.split(key)
   zeros = jnp.zeros((2, spec.dim))
-  fill = jax.vmap(
-    lambda a, m, mod: client_prototypes(spec, frozen, global_params, personal, a, m, mod, zeros)
-  )(arrays, sample_mask, modality)
+
+  def report(a, m, mod):
+    z_i, z_t = client_embeddings(
+      spec, frozen, global_params, personal, a["image"], a["caption"][:, 0]
+    )
+    out = _reported(z_i, z_t, m, mod, zeros)
+    if "label" in a:
+      return out, _class_report(spec, z_i, z_t, a["label"], m, mod)
+    return out, None
+
+  fill, classes = jax.vmap(report)(arrays, sample_mask, modality)
   held = modality.astype(jnp.float32)
   protos = L.normalize(jnp.einsum("kv,kvd->vd", held, fill))
+  class_protos = jnp.zeros((2, spec.num_classes, spec.dim))
+  if classes is not None:
+    class_protos = S.class_prototype_average(*classes, class_protos, jnp.ones((n,), bool))
+  public_emb = jnp.zeros((2, 1, spec.dim))
+  if public is not None:
+    public_emb = jnp.stack(
+      client_embeddings(spec, frozen, global_params, personal, public["image"], public["caption"])
+    )
   router = S.init_router(
     k_router,
     token_dim(protos.shape[-1]),
     width=spec.router_width,
     layers=spec.router_layers,
   )
+  # C.4's placeholder starts as a random unit vector per modality (zeros would start it
+  # as the zero-fill ablation, where normalize has no useful gradient).
+  placeholder = L.normalize(jax.random.normal(jax.random.fold_in(key, 1), (2, spec.dim)))
   return RcsrState(
     round=jnp.zeros((), jnp.int32),
     rng=k_rng,
     params=global_params,
     personal=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), personal),
     router=router,
-    router_opt=optax.adam(spec.router_lr).init(router),
+    router_opt=optax.adam(spec.router_lr).init({"router": router, "placeholder": placeholder}),
     fair=S.fair_init(n),
     prototypes=protos,
     prev_update=jnp.zeros_like(_flat(global_params)),
     last_wr=jnp.full((n,), 1.0 / spec.per_round),
     previous=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), global_params),
+    placeholder=placeholder,
+    class_prototypes=class_protos,
+    public_embeddings=public_emb,
     method=method("fedavg") if meth is None else meth,
   )
 
@@ -547,6 +848,10 @@ def round_step(
   modality: Array,
   *,
   moon: bool = False,
+  fedper: bool = False,
+  mfcpl: bool = False,
+  mekt: bool = False,
+  public: dict[str, Array] | None = None,
 ) -> tuple[RcsrState, dict[str, Array]]:
   """One round of Algorithm 1 for every method (its switches in ``meth``).
 
@@ -560,6 +865,16 @@ def round_step(
     modality: ``bool [N, 2]`` client modality masks.
     moon: static; give the clients their previous local models (MOON's term, weighted
       by ``meth.moon_mu``) and keep the new ones. Off, ``state.previous`` is untouched.
+    fedper: static; FedPer: every sampled client starts from its own adapters + heads
+      (``state.previous``) and keeps what it trains there; ``state.params`` (the server's
+      model) is left as it is, since nothing is aggregated.
+    mfcpl: static; MFCPL: the clients train with ``state.class_prototypes`` (``arrays``
+      must hold ``label [N, n]``) and report per-class prototypes and counts, which the
+      server averages (:func:`fedjax_mm.server.rcsr.class_prototype_average`).
+    mekt: static; FedMEKT: the clients distil their embeddings of ``public`` towards
+      ``state.public_embeddings`` and report their own, which the server averages
+      (:func:`fedjax_mm.server.rcsr.embedding_average`).
+    public: FedMEKT's proxy set, ``image [P, S, S, C]``, ``caption [P, L]``.
 
   Returns:
     ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
@@ -580,23 +895,74 @@ def round_step(
   lr = round_lr(spec, t)
   personal_on = t >= spec.personal_start
   # Lines 5-8: local training of the sampled clients, one compiled map.
-  update = functools.partial(
-    client_update, spec, frozen, meth, state.params, state.prototypes, lr, personal_on
-  )
   keys = jax.random.split(k_clients, m)
   mapped = (c_personal, keys, c_arrays, c_mask, c_mod, s_k)
   if moon:
     mapped += (jax.tree.map(take, state.previous),)
+  if mekt and public is None:
+    raise ValueError("round_step(mekt=True) needs the proxy set: public={image, caption}.")
+  extra = {}
+  if mfcpl:
+    extra["class_prototypes"] = state.class_prototypes
+  if mekt:
+    extra |= {"public": public, "public_targets": state.public_embeddings}
+  if fedper:
+    # Each client's own adapters + heads are its starting point (mapped, not closed over).
+    start = jax.tree.map(take, state.previous)
+
+    def update(own, *rest):
+      return client_update(
+        spec, frozen, meth, own, state.prototypes, lr, personal_on, *rest, **extra
+      )
+
+    mapped = (start,) + mapped
+  else:
+    update = functools.partial(
+      client_update,
+      spec,
+      frozen,
+      meth,
+      state.params,
+      state.prototypes,
+      lr,
+      personal_on,
+      **extra,
+    )
+    start = state.params
   new_global, new_personal, stats = map_clients(update, mapped, spec.client_map)
-  protos = jax.vmap(
-    lambda p, q, a, mk, md: client_prototypes(spec, frozen, p, q, a, mk, md, state.prototypes)
-  )(new_global, new_personal, c_arrays, c_mask, c_mod)
-  deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(new_global)
-  # s_k's prototypes (eq. 6): the missing slot holds the EMA prototype, or 0 (C.4 ablation);
-  # the EMA update below always uses the EMA fill, so the ablation touches the router only.
-  s_protos = jnp.where(meth.zero_fill & ~c_mod[..., None], 0.0, protos)
+
+  def report(p, q, a, mk, md):
+    # What a client reports after training: eq. (6)'s prototypes, MFCPL's class
+    # prototypes + counts, FedMEKT's proxy-set embeddings.
+    z_i, z_t = client_embeddings(
+      spec, frozen, p, q, a["image"], a["caption"][:, 0], meth.client_scale
+    )
+    out = {"prototypes": _reported(z_i, z_t, mk, md, state.prototypes)}
+    if mfcpl:
+      out["classes"] = _class_report(spec, z_i, z_t, a["label"], mk, md)
+    if mekt:
+      out["public"] = jnp.stack(
+        client_embeddings(spec, frozen, p, q, public["image"], public["caption"], meth.client_scale)
+      )
+    return out
+
+  reports = jax.vmap(report)(new_global, new_personal, c_arrays, c_mask, c_mod)
+  protos = reports["prototypes"]
+  if fedper:
+    deltas = jax.vmap(lambda p, p0: _flat(p) - _flat(p0))(new_global, start)
+  else:
+    deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(new_global)
+  # s_k's prototypes (eq. 6): the missing slot holds the EMA prototype, 0 or the learnt
+  # placeholder (C.4 ablations); the EMA update below always uses the EMA fill, so the
+  # ablations touch the router only.
+  missing = ~c_mod[..., None]
+
+  def fill(placeholder):
+    out = jnp.where(meth.zero_fill & missing, 0.0, protos)
+    return jnp.where(meth.placeholder_fill & missing, placeholder[None], out)
+
   gamma = jax.vmap(lambda d, pk, md: S.geometry(d, state.prev_update, pk, state.prototypes, md))(
-    deltas, s_protos, c_mod
+    deltas, fill(state.placeholder), c_mod
   )
   loss = stats["loss"]
   all_true = jnp.ones((m,), bool)
@@ -604,25 +970,32 @@ def round_step(
   sizes = c_mask.sum(1)
   w_data = S.data_weights(sizes, all_true)
   routed = meth.router & (t >= spec.warmup_rounds)
-  (r_loss, w_router), r_grads = jax.value_and_grad(S.router_loss, has_aux=True)(
-    state.router,
-    s_protos,
-    gamma,
-    c_mod,
-    loss,
-    all_true,
-    state.prototypes,
-    heads=spec.router_heads,
-    betas=spec.betas,
-    beta_4=spec.beta_4,
-    beta_5=spec.beta_5,
-  )
-  r_updates, r_opt = optax.adam(spec.router_lr).update(r_grads, state.router_opt, state.router)
+
+  def router_objective(trained):
+    # The placeholder reaches L_R through eq. (9)'s d_k (filled slots are masked out of
+    # the attention and of L_pc); gamma_k uses its value at the start of the round.
+    return S.router_loss(
+      trained["router"],
+      fill(trained["placeholder"]),
+      gamma,
+      c_mod,
+      loss,
+      all_true,
+      state.prototypes,
+      heads=spec.router_heads,
+      betas=spec.betas,
+      beta_4=spec.beta_4,
+      beta_5=spec.beta_5,
+    )
+
+  trained = {"router": state.router, "placeholder": state.placeholder}
+  (r_loss, w_router), r_grads = jax.value_and_grad(router_objective, has_aux=True)(trained)
+  r_updates, r_opt = optax.adam(spec.router_lr).update(r_grads, state.router_opt, trained)
+  stepped = optax.apply_updates(trained, r_updates)
   router = jax.tree.map(
-    lambda new, old: jnp.where(routed, new, old),
-    optax.apply_updates(state.router, r_updates),
-    state.router,
+    lambda new, old: jnp.where(routed, new, old), stepped["router"], state.router
   )
+  placeholder = jnp.where(routed & meth.placeholder_fill, stepped["placeholder"], state.placeholder)
   router_opt = jax.tree.map(lambda new, old: jnp.where(routed, new, old), r_opt, state.router_opt)
   w_r = jnp.where(routed, w_router, w_data)
   # Line 15: the q game over all N clients (RCSR), eq. (11) fused weights.
@@ -636,14 +1009,23 @@ def round_step(
   w = S.fused_weights(w_r, q, all_true)
   # Lines 16-17: global update and EMA prototypes.
   step = jnp.einsum("k,kp->p", w, deltas)
-  params = jax.tree.map(
-    lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, new_global
-  )
+  if fedper:
+    params = state.params  # nothing is aggregated
+  else:
+    params = jax.tree.map(
+      lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, new_global
+    )
   prototypes = S.ema_prototypes(state.prototypes, protos, w, mu=spec.proto_momentum)
+  class_prototypes = state.class_prototypes
+  if mfcpl:
+    class_prototypes = S.class_prototype_average(*reports["classes"], class_prototypes, all_true)
+  public_embeddings = state.public_embeddings
+  if mekt:
+    public_embeddings = S.embedding_average(reports["public"], c_mod, public_embeddings, all_true)
   personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
   last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
   previous = state.previous
-  if moon:
+  if moon or fedper:
     previous = jax.tree.map(lambda all_, new: all_.at[idx].set(new), previous, new_global)
   new_state = RcsrState(
     round=t + 1,
@@ -657,6 +1039,9 @@ def round_step(
     prev_update=step,
     last_wr=last_wr,
     previous=previous,
+    placeholder=placeholder,
+    class_prototypes=class_prototypes,
+    public_embeddings=public_embeddings,
     method=state.method,
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
@@ -671,5 +1056,41 @@ def round_step(
 
 
 def sent_bytes(global_params: PyTree) -> int:
-  """Bytes of one client's upload (and of the broadcast): adapters + heads only."""
+  """Bytes of the shared adapters + heads (one client's model upload, or the broadcast)."""
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(global_params))
+
+
+def traffic_bytes(
+  name: str,
+  global_params: PyTree,
+  dim: int,
+  *,
+  held: int = 2,
+  num_classes: int = 0,
+  public_size: int = 0,
+) -> tuple[int, int]:
+  """``(up, down)`` bytes of one sampled client holding ``held`` modalities in one round.
+
+  Up: the adapters + heads (none for FedPer, whose adapters + heads never leave the
+  client; pFedMMA's client-specific adapters and RCSR-p's never do either), the
+  prototype report ``[2, d]`` float32 (every method keeps the EMA prototypes that
+  single-modality clients anchor to) and, for the router's methods, the rest of
+  ``s_k``: ``gamma_k`` (4), ``m_k`` (2) and ``l_k`` (1) as float32. MFCPL adds its
+  per-class prototypes and counts of each held modality (``held x C x (d + 1)``
+  float32), FedMEKT its proxy-set embeddings of each held modality (``held x P x d``
+  float32). Down: the adapters + heads (none for FedPer), the EMA prototypes, and
+  MFCPL's global class prototypes (``2 x C x d``) or FedMEKT's averaged proxy
+  embeddings (``2 x P x d``).
+  """
+  on = _SWITCHES[name]
+  model = 0 if "fedper" in on else sent_bytes(global_params)
+  protos = 2 * dim * 4
+  stats = 7 * 4 if "router" in on else 0
+  up, down = model + protos + stats, model + protos
+  if "mfcpl" in on:
+    up += held * num_classes * (dim + 1) * 4
+    down += 2 * num_classes * dim * 4
+  if "mekt" in on:
+    up += held * public_size * dim * 4
+    down += 2 * public_size * dim * 4
+  return up, down

@@ -12,7 +12,9 @@ arrays are zeroed. Each client's samples split into train and a held-out part; t
 held-out part keeps both modalities for every client (an evaluation oracle: retrieval
 needs pairs, Sec. 5.1 "per-client R@1") so per-client scores are the global (RCSR-p:
 personalised) model on the client's own held-out pairs. A shared test set of pairs
-from the same world gives the global Recall@K.
+from the same world gives the global Recall@K. FedMEKT's proxy (public) set is the
+next ``public_size`` pairs held by no client, after the shared test set (caption 0);
+MFCPL's classes are the K-Means pseudo-labels above (``train["label"]``).
 
 Metrics: R@1/5/10 image->text and text->image, Rbar@K = (I2T + T2I) / 2; fairness: std
 of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = K / n.
@@ -63,9 +65,23 @@ def validate(config) -> None:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
   if not float(config.alpha) > 0:
     raise ConfigError(f"alpha must be > 0, got {config.alpha}.")
-  for key in ("train_per_client", "test_per_client", "batch_size", "kmeans_k", "global_test"):
+  for key in (
+    "train_per_client",
+    "test_per_client",
+    "batch_size",
+    "kmeans_k",
+    "global_test",
+    "public_size",
+  ):
     if int(config[key]) < 1:
       raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
+  # The pool holds 2 N (train + test) pairs per client; half of it is held by no client.
+  spare = int(config.num_clients) * (int(config.train_per_client) + int(config.test_per_client))
+  if int(config.global_test) + int(config.public_size) > spare:
+    raise ConfigError(
+      f"global_test + public_size must be <= {spare} (the pairs no client holds), got "
+      f"{config.global_test} + {config.public_size}."
+    )
 
 
 def _encoders(config):
@@ -108,14 +124,22 @@ def build(config):
   modality = np.stack([~single | image_only, ~single | ~image_only], axis=1)
   idx = np.stack([np.asarray(p)[rng.permutation(len(p))] for p in parts])
   tr, te = idx[:, : config.train_per_client], idx[:, config.train_per_client :]
-  train = {"image": pool["image"][tr], "caption": pool["caption"][tr]}
+  train = {
+    "image": pool["image"][tr],
+    "caption": pool["caption"][tr],
+    "label": labels[tr].astype(np.int32),  # MFCPL's classes (the pseudo-labels)
+  }
   train["image"] = train["image"] * modality[:, 0, None, None, None, None]
   train["caption"] = train["caption"] * modality[:, 1, None, None, None]
   test = {"image": pool["image"][te], "caption": pool["caption"][te, 0]}
   used = np.zeros(len(labels), bool)
   used[idx.ravel()] = True
-  gt = np.flatnonzero(~used)[: config.global_test]
+  spare = np.flatnonzero(~used)
+  gt = spare[: config.global_test]
   global_test = {"image": pool["image"][gt], "caption": pool["caption"][gt, 0]}
+  # FedMEKT's proxy set: the next unused pairs (disjoint from every client and the test).
+  pub = spare[config.global_test : config.global_test + config.public_size]
+  public = {"image": pool["image"][pub], "caption": pool["caption"][pub, 0]}
   graphdef, glob, personal, frozen = alg.build_model(
     img_enc,
     txt_enc,
@@ -144,6 +168,8 @@ def build(config):
     personal_start=r.personal_start,
     personal_lr_ratio=r.personal_lr_ratio,
     client_map=config.client_map,
+    num_classes=int(config.kmeans_k),
+    mekt_temperature=r.mekt_temperature,
   )
   return {
     "spec": spec,
@@ -155,6 +181,7 @@ def build(config):
     "modality": jnp.asarray(modality),
     "test": jax.tree.map(jnp.asarray, test),
     "global_test": jax.tree.map(jnp.asarray, global_test),
+    "public": jax.tree.map(jnp.asarray, public),
   }
 
 
@@ -178,7 +205,14 @@ def experiment(config) -> loop.Experiment:
   methods = tuple(config.methods)
   n = spec.num_clients
   meths = {
-    m: alg.method(m, lambda_a=config.rcsr.lambda_align, lambda_s=config.rcsr.lambda_s, mu=0.1)
+    m: alg.method(
+      m,
+      lambda_a=config.rcsr.lambda_align,
+      lambda_s=config.rcsr.lambda_s,
+      mu=0.1,
+      mfcpl_mu=config.rcsr.mfcpl_weight,
+      mekt_mu=config.rcsr.mekt_weight,
+    )
     for m in methods
   }
   init = jax.jit(functools.partial(alg.init, spec))
@@ -190,28 +224,50 @@ def experiment(config) -> loop.Experiment:
     setup["mask"],
     setup["modality"],
     jax.random.key(config.seed + 3),
+    public=setup["public"],
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
 
-  def round_and_check(meth, s, moon=False):
-    s, out = round_fn(meth, s, setup["train"], setup["mask"], setup["modality"], moon=moon)
+  def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False):
+    s, out = round_fn(
+      meth,
+      s,
+      setup["train"],
+      setup["mask"],
+      setup["modality"],
+      moon=moon,
+      fedper=fedper,
+      mfcpl=mfcpl,
+      mekt=mekt,
+      public=setup["public"],
+    )
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return s, out | {"finite": finite}
 
   # One compiled round for every method (the method is a traced argument); MOON, which
-  # also runs its clients' previous local models, has its own.
-  round_jit = jax.jit(round_and_check, donate_argnums=1, static_argnames="moon")
+  # also runs its clients' previous local models, FedPer, whose clients start from
+  # their own, MFCPL (class prototypes) and FedMEKT (the proxy set) have their own.
+  round_jit = jax.jit(
+    round_and_check, donate_argnums=1, static_argnames=("moon", "fedper", "mfcpl", "mekt")
+  )
 
   def step(m):
-    moon = m in alg.NEEDS_PREVIOUS
-    return lambda s: round_jit(meths[m], s, moon=moon)
+    flags = alg.round_flags(m)
+    return lambda s: round_jit(meths[m], s, **flags)
 
   @jax.jit
   def evaluate_jit(s):
-    def client(personal, arrays, wr):
-      model = spec.merge(s.params, personal, frozen)
-      z_i, z_t = model.embed_image(arrays["image"]), model.embed_text(arrays["caption"])
+    cs = s.method.client_scale
+
+    def own_params(previous):
+      # FedPer's clients are scored with their own adapters + heads.
+      return jax.tree.map(lambda p, q: jnp.where(s.method.fedper, q, p), s.params, previous)
+
+    def client(personal, previous, arrays, wr):
+      model = spec.merge(own_params(previous), personal, frozen)
+      z_i = model.embed_image(arrays["image"], cs)
+      z_t = model.embed_text(arrays["caption"], cs)
       s_k = alg.strength(spec, s.method, wr)
       p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
       # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
@@ -222,10 +278,23 @@ def experiment(config) -> loop.Experiment:
       z_t = jnp.where(s.method.personal, p_t, z_t)
       return recall(z_i, z_t) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
 
-    own = jax.vmap(client)(s.personal, setup["test"], s.last_wr)
-    model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
+    own = jax.vmap(client)(s.personal, s.previous, setup["test"], s.last_wr)
     g = setup["global_test"]
-    return own, recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+    def shared():
+      # The shared model alone (RCSR-p's and pFedMMA's client parts off).
+      model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
+      return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+    def mean_of_clients():
+      # FedPer has no shared model: the mean over the N clients' own models.
+      def one(previous):
+        model = spec.merge(previous, jax.tree.map(lambda x: x[0], s.personal), frozen)
+        return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+
+      return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, s.previous))
+
+    return own, jax.lax.cond(s.method.fedper, mean_of_clients, shared)
 
   def evaluate(s) -> dict[str, Any]:
     own, glob = evaluate_jit(s)
@@ -257,12 +326,28 @@ def experiment(config) -> loop.Experiment:
       rows.append((m, values))
     return rows
 
-  sent = alg.sent_bytes(setup["glob"])
+  # (up, down) per method and number of held modalities (MFCPL and FedMEKT send per
+  # held modality).
+  sent = {
+    m: {
+      h: alg.traffic_bytes(
+        m,
+        setup["glob"],
+        spec.dim,
+        held=h,
+        num_classes=spec.num_classes,
+        public_size=int(config.public_size),
+      )
+      for h in (1, 2)
+    }
+    for m in methods
+  }
+  held = np.asarray(setup["modality"]).sum(1)
 
   def traffic(m, out):
     sampled = np.asarray(out["sampled"])
-    up = np.where(sampled, sent, 0)
-    return up, up
+    up = np.where(held == 2, sent[m][2][0], sent[m][1][0])
+    return np.where(sampled, up, 0), np.where(sampled, sent[m][2][1], 0)
 
   chance = {f"R@{k}": 100 * min(1.0, k / config.test_per_client) for k in KS}
   chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
@@ -308,7 +393,10 @@ def experiment(config) -> loop.Experiment:
       "methods": {m: outcome.final[m] for m in methods},
       "chance": {"own": chance, "global": chance_global},
       "modality": np.asarray(setup["modality"]).tolist(),
-      "bytes_per_client_round": sent,
+      # A paired client's up / down; "up_single": a single-modality client's up.
+      "bytes_per_client_round": {
+        m: {"up": by[2][0], "down": by[2][1], "up_single": by[1][0]} for m, by in sent.items()
+      },
     }
     return loop.Report(
       title="RCSR", sections=[("Results", table)], plots={}, results=results, text=text

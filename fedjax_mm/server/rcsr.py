@@ -47,6 +47,13 @@ sampled clients, filled slots included (they hold ``pbar_v`` itself, so a
 single-modality client's share keeps the old prototype), as Algorithm 1 writes it.
 
 **RCSR-p strength (eq. 13).** ``s_k = min(lambda_p (1 + max(0, 0.5 - w^R_k)), 0.5)``.
+
+**Table 1 baselines' server steps.** MFCPL (:func:`class_prototype_average`): FedProto's
+class-count weighted mean of the sampled clients' per-class prototypes of each
+modality, re-normalised; a (modality, class) no sampled client reported keeps its
+previous global prototype. FedMEKT (:func:`embedding_average`): the plain mean (the
+authors' ``1 / k``) of the proxy-set embeddings of the sampled clients that hold the
+modality; a modality no sampled client holds keeps its previous average.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ PyTree = Any
 __all__ = [
   "FairState",
   "alignment_consistency",
+  "class_prototype_average",
   "data_weights",
+  "embedding_average",
   "ema_prototypes",
   "fair_init",
   "fair_update",
@@ -351,3 +360,41 @@ def ema_prototypes(
 def personal_strength(w_router: Array, *, lambda_p: float) -> Array:
   """Eq. (13): ``s_k = min(lambda_p (1 + max(0, 0.5 - w^R_k)), 0.5)``."""
   return jnp.minimum(lambda_p * (1.0 + jnp.maximum(0.0, 0.5 - w_router)), 0.5)
+
+
+def class_prototype_average(
+  prototypes: Array, counts: Array, previous: Array, where: Array
+) -> Array:
+  r"""MFCPL's server: ``P_{v,c} = normalize(sum_k n^k_{v,c} P^k_{v,c} / sum_k n^k_{v,c})``.
+
+  Args:
+    prototypes: ``[K, 2, C, d]`` the clients' per-class prototypes (normalised means).
+    counts: ``[K, 2, C]`` their sample counts (0 for a modality the client lacks).
+    previous: ``[2, C, d]`` the global prototypes before the round.
+    where: ``bool [K]`` sampled clients.
+
+  Returns:
+    ``[2, C, d]``; an entry with no count this round keeps ``previous``.
+  """
+  n = counts * where[:, None, None].astype(counts.dtype)
+  total = n.sum(0)  # [2, C]
+  mean = jnp.einsum("kvc,kvcd->vcd", n, prototypes) / jnp.maximum(total, 1.0)[..., None]
+  return jnp.where((total > 0)[..., None], normalize(mean), previous)
+
+
+def embedding_average(embeddings: Array, modality: Array, previous: Array, where: Array) -> Array:
+  r"""FedMEKT's server: the mean proxy-set embedding over the clients holding each modality.
+
+  Args:
+    embeddings: ``[K, 2, P, d]`` each client's image / text embeddings of the proxy set.
+    modality: ``bool [K, 2]`` the clients' modality masks.
+    previous: ``[2, P, d]`` the average sent last round.
+    where: ``bool [K]`` sampled clients.
+
+  Returns:
+    ``[2, P, d]``; a modality no sampled client holds keeps ``previous``.
+  """
+  held = (modality & where[:, None]).astype(embeddings.dtype)  # [K, 2]
+  total = held.sum(0)  # [2]
+  mean = jnp.einsum("kv,kvpd->vpd", held, embeddings) / jnp.maximum(total, 1.0)[:, None, None]
+  return jnp.where((total > 0)[:, None, None], mean, previous)
