@@ -275,17 +275,26 @@ def test_sage_averages_within_a_task_only():
   assert not np.array_equal(_leaves(_head(moved[3]))[0], _leaves(_head(params[3]))[0])
 
 
-def test_sage_confident_pseudo_labels_move_the_model():
-  # At threshold 0 every public sample counts: the unlabelled term acts, so the users
-  # end elsewhere than at the default threshold, where the initial heads pass none.
-  _, stats = _round("sage")
-  assert np.all(np.asarray(stats["kept"]) < 0.5)
+def test_sage_without_counted_pseudo_labels_is_local_training_for_a_user_alone():
+  # Threshold 1: no pseudo-label ever counts, so no public step is taken. The users alone
+  # in their tasks (MLC, IC100) then train exactly as local training does; the IC10 users
+  # still average their heads (and users 4 and 5 everything).
+  local = [g.params for g in _round("local")[0].groups]
+  new, stats = _round("sage", threshold=1.0)
+  np.testing.assert_array_equal(stats["kept"], 0.0)
+  params = [g.params for g in new.groups]
+  for g in (0, 2):
+    _assert_same(params[g], local[g])
+  assert not np.array_equal(_leaves(_head(params[3]))[0], _leaves(_head(local[3]))[0])
+  # Threshold 0: every public sample counts and the unlabelled term moves every user.
   new, stats = _round("sage", threshold=0.0)
   np.testing.assert_allclose(stats["kept"], 1.0)
   assert np.all(np.asarray(stats["pseudo_loss"]) > 0)
-  default = [g.params for g in _round("sage")[0].groups]
-  for a, b in zip(default, [g.params for g in new.groups], strict=True):
-    assert any(not np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
+  for g in (0, 2):
+    assert any(
+      not np.array_equal(x, y)
+      for x, y in zip(_leaves(new.groups[g].params), _leaves(local[g]), strict=True)
+    )
 
 
 def test_cofed_without_pseudo_labels_is_local_training_and_with_them_is_not():
@@ -345,6 +354,9 @@ def test_padding_clients_keep_their_state_and_change_nothing(name, g):
   for field in ("params", "opt_state"):
     pad = jax.tree.map(lambda x: x[1:], getattr(new.groups[g], field))
     _assert_same(pad, jax.tree.map(lambda x: x[1:], getattr(padded_state, field)))
+  if name == "sage":  # the public phase's own optimizer state too
+    start = alg.init(states, jax.random.key(7)).cl_opt_state[g]
+    _assert_same(*(jax.tree.map(lambda x: x[1:], o) for o in (new.cl_opt_state[g], start)))
   assert float(stats["kept"][g + 1]) == 0.0  # the padding client's slot in the user axis
   for h, (a, b) in enumerate(zip(new.groups, reference.groups, strict=True)):
     if h == g:

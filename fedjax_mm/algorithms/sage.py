@@ -49,9 +49,16 @@ Every adaptation:
   pairs each unlabelled batch with a labelled one in one step (``mu = 2``
   unlabelled per labelled sample, ``|U| / B`` steps an epoch); here every
   method takes the same labelled steps and SAGE's extra public steps are
-  FedMuscle's count. The whole model trains in both phases (SAGE's), with
-  the user's own optimizer state (AdamW at the experiment's rate; the code
-  uses SGD at 0.1).
+  FedMuscle's count. The whole model trains in both phases (SAGE's).
+* **Optimizers**: the experiment's AdamW for both phases (the code: SGD at
+  0.1), each phase with its own state, kept across rounds (the public
+  phase's as FedMuscle's CL optimizer state, in ``cl_opt_state``): the local
+  phase's momentum would otherwise carry its last labelled gradient through
+  the public steps. A public step in which no pseudo-label counts (``m = 0``
+  for the whole batch: ``L_u`` is 0) is not taken: AdamW would still move the
+  model by momentum and weight decay. So a user alone in its task whose
+  pseudo-labels never pass the threshold trains exactly as local training
+  does (tested).
 * **The local model's weak-view prediction** comes from the current local
   parameters at each public step (the code's detached ``logits_u_w``); the
   global model's from ``G``, the round's starting parameters.
@@ -85,8 +92,8 @@ import optax
 
 from fedjax_mm import losses, server
 from fedjax_mm.algorithms import simclr
-from fedjax_mm.algorithms.base import Algorithm, FederatedState, check_same_shapes, classes_of
-from fedjax_mm.algorithms.fedmuscle import public_epochs
+from fedjax_mm.algorithms.base import Algorithm, check_same_shapes, classes_of
+from fedjax_mm.algorithms.fedmuscle import FedMuscleState, public_epochs
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 from fedjax_mm.core.tasks import Task
@@ -266,31 +273,38 @@ def sage(
   fusion = classes_of(zip(tasks, architectures, strict=True))
   objectives = tuple(unlabeled_objective(g, config) for g in groups)
 
-  def init(states: Sequence[ClientState], key: Array) -> FederatedState:
+  def init(states: Sequence[ClientState], key: Array) -> FedMuscleState:
     check_same_shapes(states, fusion)
-    return FederatedState(round=jnp.zeros((), jnp.int32), rng=key, groups=tuple(states))
+    ssl_opt = tuple(jax.vmap(g.tx.init)(s.params) for g, s in zip(groups, states, strict=True))
+    return FedMuscleState(
+      round=jnp.zeros((), jnp.int32), rng=key, groups=tuple(states), cl_opt_state=ssl_opt
+    )
 
-  def public_step(states, xs, starts, data):
+  def public_step(carry, xs, starts, data):
+    states, opts = carry
     batch, key = xs
-    new_states, batch_losses, batch_kept = [], [], []
-    for g, (group, objective, state, start, d) in enumerate(
-      zip(groups, objectives, states, starts, data, strict=True)
+    new_states, new_opts, batch_losses, batch_kept = [], [], [], []
+    for g, (group, objective, state, opt, start, d) in enumerate(
+      zip(groups, objectives, states, opts, starts, data, strict=True)
     ):
       keys = jax.random.split(jax.random.fold_in(key, g), d.num_clients)  # each user its own views
       (loss, kept), grads = jax.vmap(
         jax.value_and_grad(objective, has_aux=True), in_axes=(0, 0, None, None, 0)
       )(state.params, start, state.shared, batch, keys)
-      updates, opt = jax.vmap(group.tx.update)(grads, state.opt_state, state.params)
+      updates, new_opt = jax.vmap(group.tx.update)(grads, opt, state.params)
       params = optax.apply_updates(state.params, updates)
-      absent = ~d.client_mask  # padding clients keep their state exactly
-      params = faults_lib.keep_where(absent, state.params, params)
-      opt = faults_lib.keep_where(absent, state.opt_state, opt)
-      new_states.append(state.replace(params=params, opt_state=opt))
+      # Padding clients, and users none of whose pseudo-labels count, keep their state exactly.
+      skip = ~d.client_mask | (kept == 0)
+      params = faults_lib.keep_where(skip, state.params, params)
+      new_opt = faults_lib.keep_where(skip, opt, new_opt)
+      new_states.append(state.replace(params=params))
+      new_opts.append(new_opt)
       batch_losses.append(jnp.where(d.client_mask, loss, 0.0))
       batch_kept.append(jnp.where(d.client_mask, kept, 0.0))
-    return tuple(new_states), (jnp.concatenate(batch_losses), jnp.concatenate(batch_kept))
+    carry = (tuple(new_states), tuple(new_opts))
+    return carry, (jnp.concatenate(batch_losses), jnp.concatenate(batch_kept))
 
-  def round_fn(state: FederatedState, data: Sequence[ClientData], public: dict[str, Array]):
+  def round_fn(state: FedMuscleState, data: Sequence[ClientData], public: dict[str, Array]):
     key = jax.random.fold_in(state.rng, state.round)  # FedMuscle's round key: its batches
     starts = tuple(s.params for s in state.groups)  # each user's global model G, frozen
     trained, stats = [], {}
@@ -298,9 +312,9 @@ def sage(
       client_state, group_stats = train_group(group, client_state, client_data)
       trained.append(client_state)
       stats[group.name] = group_stats
-    trained, out = public_epochs(
+    (trained, ssl_opt), out = public_epochs(
       lambda c, xs: public_step(c, xs, starts, data),
-      tuple(trained),
+      (tuple(trained), state.cl_opt_state),
       key,
       public,
       batch_size=config.batch_size,
@@ -315,6 +329,6 @@ def sage(
     receive = [d.client_mask for d in data]
     fused = fuse(params, weights, receive, averaged_leaves(params, tasks, architectures))
     new_groups = tuple(s.replace(params=p) for s, p in zip(trained, fused, strict=True))
-    return state.replace(round=state.round + 1, groups=new_groups), stats
+    return state.replace(round=state.round + 1, groups=new_groups, cl_opt_state=ssl_opt), stats
 
   return Algorithm(init=init, round=round_fn)
