@@ -30,10 +30,13 @@ Table 1's baselines run beside FedMuscle, every method from the same initial
 models, one column each with its Delta against local training::
 
   python -m experiments.main --config=experiments/fedmuscle.py \
-    --config.methods=fedmuscle,feddf,fedhenn,fedrcl,local
+    --config.methods=fedmuscle,sage,cofed,feddf,fedhenn,fedrcl,simclr,pseudo_label,local
 
-(FedDF, FedHeNN, FedRCL: ``fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py``,
-each docstring lists its adaptations; their settings are ``config.baselines``.)
+(SAGE, CoFED, FedDF, FedHeNN, FedRCL:
+``fedjax_mm/algorithms/{sage,cofed,feddf,fedhenn,fedrcl}.py``, each docstring
+lists its adaptations; their settings are ``config.baselines``. SAGE pseudo-labels
+the public set within each task around a shared head; CoFED votes pseudo-labels
+across tasks through the world's class hierarchy.)
 Table 1's methods "trained individually", each user alone on the public set,
 are ``simclr`` and ``pseudo_label`` (Curriculum Labeling;
 ``fedjax_mm/algorithms/{simclr,pseudo_label}.py``). The report also gives each
@@ -172,13 +175,27 @@ def get_config(arg=None):
 
   # Methods run side by side from identical initial states, each a column of the table
   # with its Delta against local training (which must be listed): fedmuscle (with
-  # muscle.loss), the Table 1 baselines feddf, fedhenn, fedrcl, and local. A comma string
-  # (--config.methods=fedmuscle,feddf,fedhenn,fedrcl,local); a tuple's repr parses too.
+  # muscle.loss), the Table 1 baselines sage, cofed, feddf, fedhenn, fedrcl, simclr,
+  # pseudo_label, and local. A comma string
+  # (--config.methods=fedmuscle,sage,cofed,feddf,fedhenn,fedrcl,local); a tuple's repr
+  # parses too.
   config.methods = "fedmuscle,local"
   # The baselines' own settings (fedjax_mm/algorithms/{feddf,fedhenn,fedrcl}.py); FedDF
   # distils over the public set in FedMuscle's batches (muscle.batch_size).
   config.baselines = ml_collections.ConfigDict(
     {
+      # Federated semi-supervised, pseudo-labelling the public set
+      # (fedjax_mm/algorithms/{sage,cofed}.py): SAGE's unlabelled steps take FedMuscle's
+      # batches (muscle.batch_size, muscle.cl_epochs); the authors' constants.
+      "sage": {
+        "threshold": 0.95,
+        "half_gap": 0.05,
+        "weight": 1.0,
+        "temperature": 1.0,
+        "min_crop": 0.8,
+        "noise": 0.05,
+      },
+      "cofed": {"margin": 0.3, "threshold": 0.3, "label_batch_size": 64},
       "feddf": {"distill_epochs": 1, "temperature": 1.0},
       "fedhenn": {"eta": 1.0, "rad_size": 32},
       "fedrcl": {"tau": 0.05, "threshold": 0.7, "beta": 1.0, "weight": 1.0, "min_jaccard": 0.5},

@@ -54,7 +54,7 @@ def test_method_costs_split_users_and_server():
   config = fedmuscle_config.get_config("smoke")
   users, groups, states, train, _, public, _ = runner.build(config)
   archs = tuple(runner._architecture(config, u) for u in users)
-  methods = ["fedmuscle", "simclr", "pseudo_label", "local"]
+  methods = ["fedmuscle", "sage", "cofed", "simclr", "pseudo_label", "local"]
   costs = cost.method_costs(config, methods, groups, states, train, public, architectures=archs)
   local, muscle = costs["local"], costs["fedmuscle"]
   assert local.server == 0 and muscle.server > 0
@@ -65,3 +65,8 @@ def test_method_costs_split_users_and_server():
   for alone in ("simclr", "pseudo_label"):  # no server; more work than local training
     assert costs[alone].server == 0
     assert all(a > loc for a, loc in zip(costs[alone].users, local.users, strict=True))
+  # SAGE: every smoke user is alone in its task, so its server averages nothing; CoFED's
+  # server tallies votes. Both users do more than local training (public steps, labelling).
+  assert costs["sage"].server == 0 and costs["cofed"].server > 0
+  for m in ("sage", "cofed"):
+    assert all(a > loc for a, loc in zip(costs[m].users, local.users, strict=True)), m

@@ -58,6 +58,7 @@ from fedjax_mm.losses.muscle import (
   muscle_paper_targets,
   muscle_server_targets,
 )
+from fedjax_mm.losses.sage import sage_targets, sage_unlabeled_loss
 from fedjax_mm.losses.simclr import nt_xent
 
 __all__ = [
@@ -99,6 +100,8 @@ __all__ = [
   "pairwise_info_nce",
   "relaxed_contrastive_loss",
   "representation_distance",
+  "sage_targets",
+  "sage_unlabeled_loss",
   "set_positives",
   "supervised_contrastive",
   "symmetric_info_nce",

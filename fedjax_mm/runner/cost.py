@@ -24,6 +24,17 @@ are multiplied by the number of times the round runs them:
   downlink's ``S^n, alpha^n``; nothing but a gather for ``pairwise`` and
   ``gramian``). The Muscle log-sum-exp is counted unchunked (``chunk_size =
   B``): a chunked one runs under ``lax.map`` and would count one chunk.
+* **SAGE's user**: its local steps, then per public batch (FedMuscle's
+  count, ``T * floor(P / B)``) the unlabelled step: the local and the
+  global model on the weak view, the local model's forward and backward on
+  the strong view, the optimizer update. Its **server** averages each task's
+  heads and each architecture class's parameters, once (0 when every user is
+  alone in its task).
+* **CoFED's user** labels the public set once (``ceil(P / label_batch_size)``
+  forward passes and its votes) and takes ``E * ceil((n + P) / b)`` local
+  steps over its own and the public samples (the count of a round that keeps
+  them all, as Curriculum Labeling's). Its **server** tallies the votes and
+  assigns every user its pseudo-labels, once.
 * **FedDF's server**, per public batch (``distill_epochs * floor(P / B)``):
   each partnered user's teacher logits and its prototype's distillation step;
   plus the fusion average, once.
@@ -58,10 +69,20 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_mm import losses, server
-from fedjax_mm.algorithms import feddf, fedhenn, fedmuscle, fedrcl, pseudo_label, simclr
+from fedjax_mm.algorithms import (
+  cofed,
+  feddf,
+  fedhenn,
+  fedmuscle,
+  fedrcl,
+  pseudo_label,
+  sage,
+  simclr,
+)
 from fedjax_mm.algorithms.base import classes_of
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, supervised_objective
 from fedjax_mm.core.cost import flops
+from fedjax_mm.server import cofed as cofed_server
 
 PyTree = Any
 
@@ -227,6 +248,18 @@ def method_costs(
     elif m == "fedmuscle":
       cl, srv = _muscle(mc, groups, states, public, mc.cl_epochs * (num_public // mc.batch_size))
       out[m] = MethodCost(tuple(a + b for a, b in zip(supervised(), cl, strict=True)), srv)
+    elif m == "sage":
+      cfg = sage.SageConfig(batch_size=mc.batch_size, epochs=mc.cl_epochs, **kw("sage"))
+      batches = cfg.epochs * (num_public // cfg.batch_size)
+      ssl = _sage_users(cfg, groups, states, public, batches)
+      tasks = classes_of(g.task for g in groups)
+      out[m] = MethodCost(
+        tuple(a + b for a, b in zip(supervised(), ssl, strict=True)),
+        _sage_server(states, train_data, tasks, architectures, num_public),
+      )
+    elif m == "cofed":
+      cfg = cofed.CoFEDConfig(**kw("cofed"))
+      out[m] = _cofed(cfg, groups, states, train_data, public)
     elif m == "feddf":
       cfg = feddf.FedDFConfig(batch_size=mc.batch_size, **kw("feddf"))
       batches = cfg.distill_epochs * (num_public // cfg.batch_size)
@@ -290,6 +323,71 @@ def _simclr(config, groups, states, public, num_batches) -> list[float]:
     args = (params, tx.init(params), state.shared, batch, jax.random.key(0))
     users.append(num_batches * flops(cl_step, *args))
   return users
+
+
+def _sage_users(config, groups, states, public, num_batches) -> list[float]:
+  batch = jax.tree.map(lambda x: x[: config.batch_size], public)
+  users = []
+  for group, state in zip(groups, states, strict=True):
+    objective = sage.unlabeled_objective(group, config)
+
+    def ssl_step(params, start, opt, shared, batch, key, group=group, objective=objective):
+      grads, _ = jax.grad(objective, has_aux=True)(params, start, shared, batch, key)
+      updates, opt = group.tx.update(grads, opt, params)
+      return optax.apply_updates(params, updates), opt
+
+    params = _client0(state.params)
+    args = (params, params, _client0(state.opt_state), state.shared, batch, jax.random.key(0))
+    users.append(num_batches * flops(ssl_step, *args))
+  return users
+
+
+def _sage_server(states, train_data, tasks, architectures, num_public) -> float:
+  params = [s.params for s in states]
+  partners = sage.averaged_leaves(params, tasks, architectures)
+  if all(len(set(a + h)) == 1 for a, h in partners):  # every user alone in its task
+    return 0.0
+  weights = [d.num_samples + num_public for d in train_data]
+  receive = [d.client_mask for d in train_data]
+  return flops(lambda p, w, r: sage.fuse(p, w, r, partners), params, weights, receive)
+
+
+def _cofed(config, groups, states, train_data, public) -> MethodCost:
+  num_public = jax.tree.leaves(public)[0].shape[0]
+  label_batch = min(config.label_batch_size, num_public)
+  implies = jnp.asarray(cofed.world_implications())
+  users, votes, statements = [], [], []
+  for group, state, data in zip(groups, states, train_data, strict=True):
+    st = cofed.world_statements(group.task)
+    params = _client0(state.params)
+    n = data.sample_mask.shape[1]
+    if st is not None:
+      x = group.task.inputs(jax.tree.map(lambda v: v[:label_batch], public))
+      forward = lambda p, shared, x, group=group: cofed_server.confident_votes(
+        cofed.head_probs(group.task, group.merge(p, shared)(x)), margin=config.margin
+      )
+      labelling = math.ceil(num_public / label_batch) * flops(forward, params, state.shared, x)
+      votes.append(jax.ShapeDtypeStruct((num_public, st.shape[0]), jnp.int32))
+      statements.append(jnp.asarray(st))
+      n += num_public
+    else:  # takes no part: local training
+      labelling = 0.0
+    steps = group.local_epochs * max(1, math.ceil(n / group.batch_size))
+    users.append(labelling + steps * step_flops(group, state, data, _supervised(group)))
+  if not votes:
+    return MethodCost(tuple(users), 0.0)
+
+  def server_step(votes):
+    asserts = [
+      cofed_server.asserted(v, st, implies) for v, st in zip(votes, statements, strict=True)
+    ]
+    can = jnp.stack([cofed_server.expressible(st, implies) for st in statements])
+    kept, _ = cofed_server.consensus(
+      jnp.stack(asserts), can, jnp.ones(len(votes)), threshold=config.threshold
+    )
+    return [cofed_server.assign(kept, st) for st in statements]
+
+  return MethodCost(tuple(users), flops(server_step, votes))
 
 
 def _pseudo_label(config, groups, states, train_data, public) -> list[float]:

@@ -3,8 +3,8 @@
 ``run(config, workdir)`` is what ``python -m experiments.main
 --config=experiments/fedmuscle.py`` calls: :func:`fedjax_mm.runner.loop.run`
 of :func:`experiment`, which trains every method of ``config.methods``
-(default FedMuscle and local training; also the Table 1 baselines FedDF,
-FedHeNN and FedRCL, :data:`METHODS`) side by side, from the same initial
+(default FedMuscle and local training; also the Table 1 baselines SAGE,
+CoFED, FedDF, FedHeNN, FedRCL, SimCLR and Curriculum Labeling, :data:`METHODS`) side by side, from the same initial
 models and the same data and seeds, for ``config.rounds`` rounds (workdir,
 checkpoints, resume, NaN guard, ledger and the files written are the loop's).
 Each round is one jitted call per method (compiled once); after every round
@@ -36,12 +36,14 @@ import optax
 
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import (
+  cofed,
   feddf,
   fedhenn,
   fedmuscle,
   fedrcl,
   local_training,
   pseudo_label,
+  sage,
   simclr,
 )
 from fedjax_mm.core import ledger as ledger_lib
@@ -61,9 +63,21 @@ TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "tc": ("classification", "caption", "caption_label", data.NUM_COLORS, "linear"),
 }
 #: Every method ``config.methods`` may name, in the report's column order.
-METHODS = ("fedmuscle", "feddf", "fedhenn", "fedrcl", "simclr", "pseudo_label", "local")
+METHODS = (
+  "fedmuscle",
+  "sage",
+  "cofed",
+  "feddf",
+  "fedhenn",
+  "fedrcl",
+  "simclr",
+  "pseudo_label",
+  "local",
+)
 #: The report's names of the methods (FedMuscle's adds its loss).
 LABELS = {
+  "sage": "SAGE",
+  "cofed": "CoFED",
   "feddf": "FedDF",
   "fedhenn": "FedHeNN",
   "fedrcl": "FedRCL",
@@ -73,7 +87,11 @@ LABELS = {
 }
 #: How the report's per-method ledger counts (see :func:`_baseline_bytes`).
 BYTES_NOTE = (
-  "FedMuscle: representations up, the partners' terms down (per CL batch). FedDF / FedRCL: "
+  "FedMuscle: representations up, the partners' terms down (per CL batch). SAGE: the "
+  "parameters a user averages within its task (its head; everything trained with an "
+  "architecture partner) up and their average down, for users with a partner in their task. "
+  "CoFED: int32 votes on the public set up (a class per head, -1 if not confident) and "
+  "int32 pseudo-labels down. FedDF / FedRCL: "
   "trained parameters up and the fused ones down, for users that have a partner to average "
   "or distil with (the others send nothing). FedHeNN: one R x R kernel each way. SimCLR and "
   "Curriculum Labeling train each user alone: nothing."
@@ -81,8 +99,9 @@ BYTES_NOTE = (
 #: What ``config.methods`` runs when the config has no such key.
 DEFAULT_METHODS = ("fedmuscle", "local")
 #: The metrics.jsonl keys of per-user values a method's round reports (``<user>/<key>``):
-#: losses, and the share of the public set a pseudo-labelling user trained on.
-USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "kept")
+#: losses, and the share of the public set a pseudo-labelling user trained on (SAGE: whose
+#: pseudo-label counted).
+USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "pseudo_loss", "kept")
 #: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
 #: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
 #: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
@@ -225,7 +244,6 @@ def build(config):
   root = jax.random.key(config.seed)
   groups, states, train_data, test_data = [], [], [], []
   for u in users:
-    kind, input_key, target_key, outputs, _ = TASKS[u.task]
     spec = config.users[u.index]
     model_config = _model_config(config, u)
     frozen_base = _frozen_base(config, u)
@@ -234,7 +252,7 @@ def build(config):
       lambda rngs, c=model_config: models.build(c, rngs=rngs),
       name=f"{u.name} ({u.encoder}/{u.task})",
       tx=tx,
-      task=core.Task(kind, input_key, target_key, outputs),
+      task=_task(u),
       key=jax.random.fold_in(root, u.index),
       num_clients=1,
       trainable=models.trainable_filter(lora=frozen_base),
@@ -363,6 +381,19 @@ def algorithms(config, users, groups) -> dict[str, Any]:
   archs = tuple(_architecture(config, u) for u in users)
   make = {
     "fedmuscle": lambda: fedmuscle.fedmuscle(groups, mc, faults=validation.check_faults(config)),
+    "sage": lambda: sage.sage(
+      groups,
+      sage.SageConfig(
+        batch_size=mc.batch_size, epochs=mc.cl_epochs, **_baseline_config(config, "sage")
+      ),
+      architectures=archs,
+    ),
+    "cofed": lambda: cofed.cofed(
+      groups,
+      cofed.CoFEDConfig(**_baseline_config(config, "cofed")),
+      statements=[cofed.world_statements(g.task) for g in groups],
+      implies=cofed.world_implications(),
+    ),
     "feddf": lambda: feddf.feddf(
       groups,
       feddf.FedDFConfig(batch_size=mc.batch_size, **_baseline_config(config, "feddf")),
@@ -394,6 +425,13 @@ def algorithms(config, users, groups) -> dict[str, Any]:
 def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
 
+  * SAGE: a user with another user of its task uploads the parameters it
+    averages (its head; every trained parameter when it also has an
+    architecture partner) and downloads their average; a user alone in its
+    task sends nothing.
+  * CoFED: every voting user uploads ``int32 [P, H]`` votes and downloads
+    ``int32 [P, H]`` pseudo-labels (``H`` = 1, or the labels of a multi-label
+    user); segmentation users take no part.
   * FedDF: a user with a partner (another user of its task) uploads its trained
     parameters and downloads its prototype's distilled ones; a user alone in its
     task sends nothing.
@@ -411,7 +449,18 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
   classmate = np.array([same_class.count(c) > 1 for c in same_class])
   rad = _baseline_config(config, "fedhenn").get("rad_size", fedhenn.FedHeNNConfig.rad_size)
   kernel = np.full(len(users), 4 * rad * rad, np.int64)
+  num_public = config.public.size
+  votes = np.array(
+    [
+      ledger_lib.tree_bytes(cofed.messages(cofed.world_statements(_task(u)), num_public)[:1])
+      for u in users
+    ],
+    np.int64,
+  )
+  shared = _sage_bytes(states, tasks, archs)
   out = {
+    "sage": (shared, shared),
+    "cofed": (votes, votes),
     "feddf": (params * partner, params * partner),
     "fedrcl": (params * classmate, params * classmate),
     "fedhenn": (kernel, kernel),
@@ -420,6 +469,25 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
     "pseudo_label": (np.zeros(len(users), np.int64),) * 2,
   }
   return {m: v for m, v in out.items() if m in methods}
+
+
+def _task(u: User) -> core.Task:
+  """A user's task (what :func:`build` gives its group)."""
+  kind, input_key, target_key, outputs, _ = TASKS[u.task]
+  return core.Task(kind, input_key, target_key, outputs)
+
+
+def _sage_bytes(states, tasks, archs) -> np.ndarray:
+  """Per user, the bytes of the parameters SAGE averages (each way); 0 for a user alone in its task."""
+  partners = sage.averaged_leaves([s.params for s in states], tasks, archs)
+  out = []
+  for s, (arch, head) in zip(states, partners, strict=True):
+    whole = len(arch) > 1  # an architecture partner: every trained parameter
+    sent = jax.tree_util.tree_map_with_path(
+      lambda path, x, whole=whole: x if whole or sage.is_head(path) else None, s.params
+    )
+    out.append(ledger_lib.tree_bytes(sent) if len(set(arch + head)) > 1 else 0)
+  return np.array(out, np.int64)
 
 
 def experiment(config) -> loop.Experiment:
@@ -593,9 +661,10 @@ def flops_table(config, methods, users, costs, deltas) -> str:
 FLOPS_NOTE = (
   "XLA's cost analysis of each method's steps, compiled once at start-up on each user's "
   "model and multiplied by the steps a round runs (fedjax_mm/runner/cost.py): users' local "
-  "steps and (FedMuscle) their CL steps; the server's targets (FedMuscle), distillation "
-  "(FedDF), kernel mean (FedHeNN), parameter averages (FedDF, FedRCL). Transcendentals "
-  "(exp, log) and evaluation are not counted."
+  "steps, their CL steps (FedMuscle, SimCLR), unlabelled steps (SAGE) or public-set labelling "
+  "(CoFED, Curriculum Labeling); the server's targets (FedMuscle), distillation (FedDF), "
+  "kernel mean (FedHeNN), parameter averages (SAGE, FedDF, FedRCL), vote tally (CoFED). "
+  "Transcendentals (exp, log) and evaluation are not counted."
 )
 
 
