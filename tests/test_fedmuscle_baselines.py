@@ -7,9 +7,9 @@ formulas; FedDF never mixes tasks; FedRCL reads no public data; every method
 runs a round of the ``:smoke`` config side by side.
 """
 
-import functools
 import math
 
+import fedmuscle_toys
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,57 +143,19 @@ def test_average_within_classes_matches_numpy():
 
 # ---------------------------------------------------------------- algorithms
 
-# The :smoke users (MLC cnn_s, IC10 vit_t, IC100 cnn_s) and two more IC10 cnn_s users, so
-# that FedDF and FedRCL have partners: users 4 and 5 share a task and an architecture, user 2
-# shares only their task; users 1 (MLC, 10 outputs like IC10) and 3 are alone in theirs.
-ALL = ",".join(runner.METHODS)
-
-
-@functools.cache
-def _build():
-  config = fedmuscle_config.get_config("smoke")
-  config.users = list(config.users) + [fedmuscle_config._user("cnn_s", "ic10", 16)] * 2
-  config.methods = ALL
-  users, groups, states, train, test, public, trivial = runner.build(config)
-  return config, users, groups, states, train, test, public, trivial
-
-
-@functools.cache
-def _algorithm(name):
-  """A method on these users and its jitted round (compiled once per session)."""
-  config, users, groups, *_ = _build()
-  alg = runner.algorithms(config, users, groups)[name]
-  return alg, jax.jit(alg.round)
+ALL = fedmuscle_toys.ALL
+_build = fedmuscle_toys.build
+_algorithm = fedmuscle_toys.algorithm
+_leaves = fedmuscle_toys.leaves
+_assert_same = fedmuscle_toys.assert_same
+_changed = fedmuscle_toys.changed
+_shifted = fedmuscle_toys.shifted
 
 
 def _round(name, public=None, *, states=None):
   """Every user's parameters after one round of a method, and its stats."""
-  _, _, _, base, train, _, default_public, _ = _build()
-  alg, round_fn = _algorithm(name)
-  state = alg.init(states or base, jax.random.key(7))
-  args = (train,) if name == "local" else (train, default_public if public is None else public)
-  new, stats = round_fn(state, *args)
+  new, stats = fedmuscle_toys.one_round(name, public, states=states)
   return [g.params for g in new.groups], stats
-
-
-def _leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def _assert_same(a, b):
-  for x, y in zip(_leaves(a), _leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)
-
-
-def _changed(a, b):
-  return any(not np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
-
-
-def _shifted(states, g):
-  """The initial states with user ``g + 1``'s parameters moved."""
-  states = list(states)
-  states[g] = states[g].replace(params=jax.tree.map(lambda x: x + 0.5, states[g].params))
-  return tuple(states)
 
 
 def test_feddf_averages_and_distils_within_a_task_only():

@@ -7,15 +7,14 @@ user with no pseudo-label trains as local training does; padding clients keep
 their state; the ledgers.
 """
 
-import functools
 import math
 
+import fedmuscle_toys
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import losses
 from fedjax_mm.algorithms import cofed
 from fedjax_mm.core import ledger
@@ -198,59 +197,22 @@ def test_cofed_votes_through_the_world_hierarchy():
 
 # ---------------------------------------------------------------- the algorithms
 
-ALL = ",".join(runner.METHODS)
-
-
-@functools.cache
-def _build():
-  """The :smoke users (MLC cnn_s, IC10 vit_t, IC100 cnn_s) and two IC10 cnn_s users.
-
-  Users 4 and 5 share a task and an architecture; user 2 shares only their task
-  (and so its head's shape); users 1 and 3 are alone in theirs.
-  """
-  config = fedmuscle_config.get_config("smoke")
-  config.users = list(config.users) + [fedmuscle_config._user("cnn_s", "ic10", 16)] * 2
-  config.methods = ALL
-  users, groups, states, train, test, public, trivial = runner.build(config)
-  return config, users, groups, states, train, test, public, trivial
-
-
-@functools.cache
-def _algorithm(name, **overrides):
-  config, users, groups, *_ = _build()
-  config = config.copy_and_resolve_references()
-  for key, value in overrides.items():
-    config.baselines[name][key] = value
-  alg = runner.algorithms(config, users, groups)[name]
-  return alg, jax.jit(alg.round)
+ALL = fedmuscle_toys.ALL
+_build = fedmuscle_toys.build
+_algorithm = fedmuscle_toys.algorithm
+_leaves = fedmuscle_toys.leaves
+_assert_same = fedmuscle_toys.assert_same
 
 
 def _round(name, *, states=None, **overrides):
-  _, _, _, base, train, _, public, _ = _build()
-  alg, round_fn = _algorithm(name, **overrides)
-  state = alg.init(states or base, jax.random.key(7))
-  args = (train,) if name == "local" else (train, public)
-  new, stats = round_fn(state, *args)
-  return new, stats
-
-
-def _leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def _assert_same(a, b):
-  for x, y in zip(_leaves(a), _leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)
+  return fedmuscle_toys.one_round(name, states=states, **overrides)
 
 
 def _head(params):
   return params["head"]
 
 
-def _shifted(states, g):
-  states = list(states)
-  states[g] = states[g].replace(params=jax.tree.map(lambda x: x + 0.5, states[g].params))
-  return tuple(states)
+_shifted = fedmuscle_toys.shifted
 
 
 def test_sage_averages_within_a_task_only():
