@@ -748,19 +748,6 @@ def _class_report(spec, z_i, z_t, labels, sample_mask, modality):
   return jnp.stack([p_i, p_t]), counts
 
 
-def client_prototypes(
-  spec, frozen, params, personal, arrays, sample_mask, modality, prototypes, client_scale=None
-):
-  """``[2, d]`` reported prototypes (eq. 6): local where held, the EMA one where filled.
-
-  ``client_scale``: pFedMMA's, so its prototypes come from the client's own model.
-  """
-  z_i, z_t = client_embeddings(
-    spec, frozen, params, personal, arrays["image"], arrays["caption"][:, 0], client_scale
-  )
-  return _reported(z_i, z_t, sample_mask, modality, prototypes)
-
-
 def _flat(tree: PyTree) -> Array:
   return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
 
