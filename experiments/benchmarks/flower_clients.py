@@ -92,12 +92,13 @@ def torch_model():
 
 
 def torch_local_update(model, arrays, steps: int, batch: int, seed: int) -> None:
-  """One epoch of ``steps`` Adam steps on one client's samples, in place."""
+  """One epoch of ``steps`` Adam steps on one client's samples, in place, on the model's device."""
   import torch  # noqa: PLC0415
 
-  x = torch.from_numpy(arrays["image"]).permute(0, 3, 1, 2).contiguous()
-  y = torch.from_numpy(arrays["label10"]).long()
-  order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+  device = next(model.parameters()).device
+  x = torch.from_numpy(arrays["image"]).permute(0, 3, 1, 2).contiguous().to(device)
+  y = torch.from_numpy(arrays["label10"]).long().to(device)
+  order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed)).to(device)
   optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
   for step in range(steps):
     idx = order[step * batch : (step + 1) * batch]

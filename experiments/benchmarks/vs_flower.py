@@ -20,7 +20,9 @@ state reset each round), the server averaging by sample count:
 * **torch loop**: a plain PyTorch loop over the clients and a mean of their
   ``state_dict``s, no framework: the floor a CPU user compares with. It runs
   once per ``--torch_threads`` value (``torch.set_num_threads``): on a busy
-  2-core machine one thread is 3x faster than two, so both are shown.
+  2-core machine one thread is 3x faster than two, so both are shown. With
+  ``--torch_device=cuda`` it runs on the GPU (synchronised before each round's
+  time stamp), the floor a GPU user compares with.
 
 Each contender runs ``--rounds`` rounds and is timed per round; the first round
 (compilation, Ray's start, actor start-up) is excluded and the median of the
@@ -59,6 +61,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per contender (the first is 
 _FLOWER_CPUS = flags.DEFINE_float("flower_cpus", 1.0, "num_cpus per simulated Flower client.")
 _TORCH_THREADS = flags.DEFINE_list(
   "torch_threads", ["1", str(os.cpu_count())], "torch.set_num_threads values for the torch loop."
+)
+_TORCH_DEVICE = flags.DEFINE_string(
+  "torch_device", "cpu", "Where the torch loop runs (a torch device: cpu, cuda, cuda:1)."
 )
 _CONTENDERS = flags.DEFINE_list(
   "contenders",
@@ -101,7 +106,8 @@ def run_torch_loop(num_clients: int, steps: int, batch: int, rounds: int, thread
 
   torch.set_num_threads(threads)
   torch.manual_seed(0)
-  model = workload.torch_model()
+  device = torch.device(_TORCH_DEVICE.value)
+  model = workload.torch_model().to(device)
   clients = [workload.client_arrays(k, steps * batch) for k in range(num_clients)]
   global_state = {k: v.clone() for k, v in model.state_dict().items()}
   stamps = [time.perf_counter()]
@@ -112,6 +118,8 @@ def run_torch_loop(num_clients: int, steps: int, batch: int, rounds: int, thread
       workload.torch_local_update(model, arrays, steps, batch, seed=r * num_clients + k)
       states.append({name: v.detach().clone() for name, v in model.state_dict().items()})
     global_state = {name: torch.stack([s[name] for s in states]).mean(0) for name in states[0]}
+    if device.type == "cuda":
+      torch.cuda.synchronize(device)  # kernels are queued, not done, until here
     stamps.append(time.perf_counter())
   return _median_round(stamps)
 
@@ -200,7 +208,8 @@ def main(argv):
     f"FedAvg, cnn_s ({ours} parameters), {steps} local Adam steps of batch {batch}, "
     f"all clients every round; {rounds} rounds each, the first not timed; "
     f"engine client_map auto = {core.resolve_client_map('auto')!r}; "
-    f"{os.cpu_count()} CPUs, Flower clients reserve {_FLOWER_CPUS.value:g} each"
+    f"{os.cpu_count()} CPUs, Flower clients reserve {_FLOWER_CPUS.value:g} each; "
+    f"JAX on {jax.devices()[0].device_kind}, the torch loop on {_TORCH_DEVICE.value}"
   )
   runners = {
     "engine": run_engine,
