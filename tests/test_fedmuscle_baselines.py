@@ -141,6 +141,31 @@ def test_average_within_classes_matches_numpy():
   np.testing.assert_allclose(got[3]["w"], xs[3], rtol=1e-6)  # weight 0: kept
 
 
+def test_average_within_classes_receive_and_select():
+  rng = np.random.default_rng(4)
+  trees = [
+    {"body": jnp.asarray(rng.normal(size=(k, 3))), "head": jnp.asarray(rng.normal(size=(k, 2)))}
+    for k in (2, 2)
+  ]
+  ws = [jnp.asarray([1.0, 2.0]), jnp.asarray([3.0, 0.0])]
+  receive = [jnp.asarray([True, False]), jnp.asarray([False, True])]
+  got = server.average_within_classes(
+    trees, ws, ("a", "a"), receive=receive, select=lambda path: "head" in str(path[0])
+  )
+  w = np.array([1.0, 2.0, 3.0, 0.0])
+  joined = np.concatenate([np.asarray(t["head"]) for t in trees])
+  mean = (joined * w[:, None]).sum(0) / w.sum()  # a non-receiving client's weight still counts
+  for g, t in enumerate(trees):
+    np.testing.assert_array_equal(got[g]["body"], t["body"])  # not selected: kept exactly
+    for k in range(2):
+      want = mean if receive[g][k] else np.asarray(t["head"][k])
+      np.testing.assert_allclose(got[g]["head"][k], want, rtol=1e-6)
+  # A class of one client is returned exactly, not recomputed as x * w / w.
+  alone = {"w": jnp.asarray(rng.normal(size=(1, 5)), jnp.float32)}
+  (out,) = server.average_within_classes([alone], [jnp.asarray([0.3])], (0,))
+  np.testing.assert_array_equal(out["w"], alone["w"])
+
+
 # ---------------------------------------------------------------- algorithms
 
 ALL = fedmuscle_toys.ALL

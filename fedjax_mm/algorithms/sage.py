@@ -162,36 +162,6 @@ def averaged_leaves(
   return tuple(out)
 
 
-def _average(params, weights, receive, members, select):
-  """Per group, its ``select``-ed leaves replaced by the weighted mean over ``members[g]``.
-
-  Only receiving clients take the mean, and only where the class's total
-  weight is positive; every other leaf and client keeps its value exactly.
-  """
-  flat = [
-    {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
-    for t in params
-  ]
-  out = []
-  for g, tree in enumerate(params):
-    if len(members[g]) == 1 and jax.tree.leaves(tree)[0].shape[0] == 1:
-      out.append(tree)  # one client: its own mean, nothing to compute
-      continue
-    w = jnp.concatenate([weights[h] for h in members[g]])
-    total = jnp.sum(w)
-    take = receive[g] & (total > 0)
-
-    def leaf(path, x, g=g, w=w, take=take):
-      key = jax.tree_util.keystr(path)
-      if not select(path):
-        return x
-      mean = server.weighted_mean(jnp.concatenate([flat[h][key] for h in members[g]]), w)
-      return jnp.where(take.reshape((-1,) + (1,) * (x.ndim - 1)), mean, x)
-
-    out.append(jax.tree_util.tree_map_with_path(leaf, tree))
-  return out
-
-
 def fuse(params, weights, receive, partners) -> list:
   """The server's step: each group's parameters after averaging within its task.
 
@@ -205,8 +175,9 @@ def fuse(params, weights, receive, partners) -> list:
     per group, the parameters: heads averaged over the head partners, every
     other trained leaf over the architecture partners.
   """
-  whole = _average(params, weights, receive, [p[0] for p in partners], lambda path: True)
-  heads = _average(params, weights, receive, [p[1] for p in partners], is_head)
+  architectures, tasks = [p[0] for p in partners], [p[1] for p in partners]
+  whole = server.average_within_classes(params, weights, architectures, receive=receive)
+  heads = server.average_within_classes(params, weights, tasks, receive=receive, select=is_head)
   return [
     jax.tree_util.tree_map_with_path(lambda path, w, h: h if is_head(path) else w, w_g, h_g)
     for w_g, h_g in zip(whole, heads, strict=True)

@@ -16,7 +16,7 @@ Padding clients and clients that did not take part simply carry weight 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -129,39 +129,69 @@ def sample_clients(key: Array, client_mask: Array, num: int) -> Array:
 
 
 def average_within_classes(
-  stacked: Sequence[PyTree], weights: Sequence[Array], classes: Sequence[int]
+  stacked: Sequence[PyTree],
+  weights: Sequence[Array],
+  classes: Sequence[Hashable],
+  *,
+  receive: Sequence[Array] | None = None,
+  select: PathPredicate | None = None,
 ) -> tuple[PyTree, ...]:
   """FedAvg among the groups of each class; every client receives its class's mean.
 
   Groups (each a stacked pytree ``[K_g, ...]``) of one class must have the same
-  structure and shapes (the same architecture): their clients are joined along
+  structure and shapes (the same architecture) in the leaves averaged (with
+  ``select``, only those; the rest may differ): their clients are joined along
   the client axis, averaged by ``weights`` and the mean sent back to every
   client of the class. A class of one group is a plain FedAvg within the group;
-  a class whose weights are all 0 keeps its parameters.
+  a class whose weights are all 0 keeps its parameters, and so does a class of
+  a single client (exactly: its mean is itself).
 
   Args:
     stacked: per group, a pytree of ``[K_g, ...]`` arrays.
     weights: per group, ``[K_g]`` non-negative weights (e.g. ``n_k``, 0 for
       padding clients).
-    classes: per group, a static class id (``classes[g] == classes[h]``: the
-      two groups average together).
+    classes: per group, a static, hashable class id (``classes[g] ==
+      classes[h]``: the two groups average together).
+    receive: per group, ``bool [K_g]``, the clients that take the mean (every
+      client when ``None``); the others keep their parameters exactly. Their
+      weights still count towards the mean.
+    select: a predicate of a leaf's key path (as ``jax.tree_util`` gives it):
+      only the leaves it accepts are averaged; the others keep their values
+      (every leaf when ``None``).
 
   Returns:
     per group, the pytree of ``[K_g, ...]`` arrays after averaging.
   """
   if not len(stacked) == len(weights) == len(classes):
     raise ValueError("stacked, weights and classes need one entry per group.")
+  if receive is not None and len(receive) != len(stacked):
+    raise ValueError("receive needs one entry per group.")
+  flat = [
+    {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+    for t in stacked
+  ]
   out = list(stacked)
   for c in dict.fromkeys(classes):
     members = [g for g, cg in enumerate(classes) if cg == c]
-    joined = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *(stacked[g] for g in members))
+    if len(members) == 1 and jax.tree.leaves(stacked[members[0]])[0].shape[0] == 1:
+      continue  # one client: its mean is itself
     w = jnp.concatenate([jnp.asarray(weights[g], jnp.float32) for g in members])
-    mean = weighted_mean(joined, w)
-    keep = jnp.sum(w) <= 0
+    positive = jnp.sum(w) > 0
+    means: dict[str, Array] = {}  # per leaf, computed once for the class
+
+    def mean_of(key, members=members, w=w, means=means):
+      if key not in means:
+        means[key] = weighted_mean(jnp.concatenate([flat[h][key] for h in members]), w)
+      return means[key]
+
     for g in members:
-      out[g] = jax.tree.map(
-        lambda m, x, keep=keep: jnp.where(keep, x, jnp.broadcast_to(m, x.shape)),
-        mean,
-        stacked[g],
-      )
+      take = positive if receive is None else positive & jnp.asarray(receive[g], bool)
+
+      def leaf(path, x, take=take, mean_of=mean_of):
+        if select is not None and not select(path):
+          return x
+        m = mean_of(jax.tree_util.keystr(path))
+        return jnp.where(take.reshape(take.shape + (1,) * (x.ndim - take.ndim)), m, x)
+
+      out[g] = jax.tree_util.tree_map_with_path(leaf, stacked[g])
   return tuple(out)
