@@ -52,15 +52,25 @@ AdamW at 1e-3, B = 32, M = 3, tau = 0.2 / 0.15, E = 1, R = 150, T = 1, a public
 set of 5000. The encoders are Hugging Face folders under ``checkpoints/``
 (:data:`PAPER_CHECKPOINTS`; README "Running at paper scale"), so without them
 the run stops at validation, in one line naming the first missing folder (exit
-2). What they do not reproduce yet: the data. The runner still draws every
-user's set and the public set from the embedded world; reading CIFAR-10/100,
-COCO, VOC, Flickr30K and Yahoo! Answers (``fedjax_mm.data.tfds``) needs
-``runner/fedmuscle.py:_user_data`` to take them. Nor can it hold Setup2 whole:
-SegFormer is not among ``fedjax_mm.models.hf``'s architectures, and the runner
-wants one tokenizer for every text user (BERT-Base and DistilBERT-Base are two
-checkpoints), so ``:paper_setup2`` stops at validation even with every folder
-present. The paper tests each task on its own number of samples (4000 / 2000 /
-1000 / 3000 / 5000); the runner has one ``test_size``.
+2). The data is the paper's through TFDS (``config.data``, source "tfds";
+``fedjax_mm.data.tfds``, prepared once with ``tfds build ... --file_format=array_record``):
+MLC on COCO (``coco_captions/2014``'s object labels, 80 classes), IC100 on
+CIFAR-100, IC10 on CIFAR-10, each task's users on disjoint random slices of its
+train split and tested on its test split, the public set from Pascal VOC (Table
+1's first block; ``--config.data.public=coco_captions`` or ``cifar100`` for the
+other two), every image resized to 224. A dataset not prepared in
+``data.data_dir`` stops the run at validation, after the checkpoints, in one
+line naming its ``tfds build`` command (exit 2). ``--config.data.limit=N`` reads
+at most N examples of each split and shares them among the sets cut from it, so
+a run can be made small. Setup2 cannot be held whole: Flickr30K and Yahoo!
+Answers are not in TFDS (``:paper_setup2`` reads COCO's image-caption pairs as
+the public set and AG News for TC instead), no TFDS dataset has segmentation
+masks (``data.tasks.ss`` is empty), SegFormer is not among
+``fedjax_mm.models.hf``'s architectures, and the runner wants one tokenizer for
+every text user (BERT-Base and DistilBERT-Base are two checkpoints), so
+``:paper_setup2`` stops at validation even with every folder present. The paper
+tests each task on its own number of samples (4000 / 2000 / 1000 / 3000 / 5000);
+the runner has one ``test_size``.
 """
 
 import ml_collections
@@ -111,6 +121,9 @@ def _paper(config, setup):
   config.muscle.cl_epochs = 1  # T
   config.muscle.tau_full = 0.2
   config.muscle.tau_reduced = 0.15
+  # The paper's datasets through TFDS (config.data); 224 px, the ViTs' input.
+  config.data.source = "tfds"
+  config.data.image_size = 224
   if setup == 2:
     config.users = config.users + [
       _user(hf["segformer_b0"], "ss", 1000),
@@ -119,6 +132,7 @@ def _paper(config, setup):
       _user(hf["distilbert_base"], "tc", 100),
     ]
     config.public.modalities = ("image", "text")  # Flickr30K's images and captions
+    config.data.public = "coco_captions"  # Flickr30K is not in TFDS: COCO's pairs instead
 
 
 def get_config(arg=None):
@@ -160,6 +174,33 @@ def get_config(arg=None):
     _user("cnn_m", "ic10", 50),
   ]
   config.public = ml_collections.ConfigDict({"size": 640, "shift": 1.0, "modalities": ("image",)})
+  # Where the users' sets and the public set come from: "world" draws them from the
+  # embedded world (seeded; public.shift applies); "tfds" reads the papers' datasets
+  # (fedjax_mm/data/tfds.py, prepared once with `tfds build`): each task's users take
+  # disjoint slices of data.tasks.<task>'s train split and test on its test split, the
+  # public set comes from data.public's train split. The other keys apply to "tfds" only:
+  # data_dir ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets), limit (read at most this
+  # many examples of any split, 0 = all; a smaller pool is shared in proportion), and
+  # image_size (every image resized to it). The datasets are the paper's (Sec. 6): COCO
+  # for MLC, CIFAR-10 / -100 for IC10 / IC100; AG News stands in for Yahoo! Answers (not
+  # in TFDS) and no TFDS dataset has segmentation masks; the public set is one of
+  # Table 1's three (voc, coco_captions, cifar100).
+  config.data = ml_collections.ConfigDict(
+    {
+      "source": "world",  # world | tfds
+      "data_dir": "",
+      "limit": 0,
+      "image_size": 32,
+      "tasks": {
+        "mlc": "coco_captions",
+        "ic10": "cifar10",
+        "ic100": "cifar100",
+        "ss": "",
+        "tc": "ag_news_subset",
+      },
+      "public": "voc",
+    }
+  )
   config.muscle = ml_collections.ConfigDict(
     {
       "num_partners": 3,  # M

@@ -77,6 +77,19 @@ def test_limit_takes_the_first_examples(mock_tfds):
   assert tfds_data.load("cifar100", image_size=8, limit=10_000)["label100"].shape == (NUM_EXAMPLES,)
 
 
+def test_indices_pick_examples_within_the_limit(mock_tfds):
+  full = tfds_data.load("cifar10", image_size=8)
+  assert tfds_data.num_examples("cifar10") == NUM_EXAMPLES
+  assert tfds_data.num_examples("cifar10", limit=5) == 5
+  assert tfds_data.num_examples("cifar10", limit=10_000) == NUM_EXAMPLES
+  some = tfds_data.load("cifar10", image_size=8, limit=5, indices=[4, 0, 2])
+  for key in full:
+    np.testing.assert_array_equal(some[key], full[key][[4, 0, 2]])
+  for bad in ([5], [-1], []):  # past the limit, negative, none
+    with pytest.raises(tfds_data.DatasetError, match=r"indices|no example"):
+      tfds_data.load("cifar10", image_size=8, limit=5, indices=bad)
+
+
 def test_voc_is_multilabel_without_masks(mock_tfds):
   voc = tfds_data.load("voc", split="validation", image_size=16, limit=7)
   assert set(voc) == {"image", "multilabel"}  # TFDS's VOC is the detection set: no mask
@@ -214,6 +227,10 @@ def test_check_data(mock_tfds):
     validation.check_data({"data": {"source": "hub"}})
   with pytest.raises(ConfigError, match=r"names no dataset"):
     validation.check_data({"data": {"source": "tfds", "datasets": ()}})
+  # A runner names the (dataset, split) pairs it reads; "" is TFDS's default folder.
+  block = {"source": "tfds", "data_dir": ""}
+  reads = [("voc", "train"), ("voc", "validation"), ("cifar10", "test"), ("voc", "train")]
+  assert validation.check_data({"data": block}, reads) == ("voc", "cifar10")
 
 
 def test_check_data_missing_is_a_config_error(tmp_path):

@@ -3,7 +3,9 @@
 On a machine without the checkpoints and features they name, each variant must stop at
 validation with exit status 2 and one line naming what is missing, before anything is
 written. Shrunk, with tiny random checkpoints (FedMuscle's ViTs) or a tiny random
-feature file (FedSCMR's Wikipedia features) in their place, they must train a round.
+feature file (FedSCMR's Wikipedia features) in their place, they must train a round;
+FedMuscle's ``:paper_setup1`` reads its datasets through TFDS, here mock data shrunk by
+``data.limit``.
 """
 
 import json
@@ -17,8 +19,10 @@ from safetensors.numpy import save_file
 from experiments import creamfl as creamfl_config
 from experiments import fedmuscle as fedmuscle_config
 from experiments import fedscmr as fedscmr_config
+from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.models import hf, hf_vit
 from fedjax_mm.runner import creamfl, fedmuscle, fedscmr, validation
+from fedjax_mm.runner.errors import ConfigError
 
 PAPER = [
   ("fedmuscle", fedmuscle, fedmuscle_config, validation.FEDMUSCLE, "paper_setup1"),
@@ -108,7 +112,24 @@ def _tiny_vit(folder):
   return folder
 
 
-def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path):
+def _coco_captions(num):
+  """coco_captions/2014 examples as ``data_source`` decodes them (only what the reader reads).
+
+  Its builder imports TensorFlow, so ``tfds.testing.mock_data`` cannot make them.
+  """
+  rng = np.random.default_rng(0)
+  return [
+    {
+      "image": rng.integers(0, 256, (24, 20, 3), dtype=np.uint8),
+      "objects": {"label": rng.integers(0, 80, 3)},
+      "captions": {"text": np.array([b"a caption"], object)},
+    }
+    for _ in range(num)
+  ]
+
+
+def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path, monkeypatch):
+  tfds = pytest.importorskip("tensorflow_datasets")
   folders = {}
   config = fedmuscle_config.get_config("paper_setup1")
   for user in config.users:
@@ -116,18 +137,42 @@ def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path):
     if name not in folders:  # one tiny ViT per paper checkpoint, in its place
       folders[name] = _tiny_vit(tmp_path / "checkpoints" / name.rsplit("/", 1)[-1])
     user["encoder"] = f"hf:{folders[name]}"
-    user["train_size"] = max(4, user["train_size"] // 25)  # 8 / 4 / 4
   assert len(folders) == 4  # ViT-Base, -Small, -Large, -Tiny
+  assert (config.data.source, config.data.public) == ("tfds", "voc")
+  paper = {"mlc": "coco_captions", "ic10": "cifar10", "ic100": "cifar100"}  # Sec. 6
+  assert {task: config.data.tasks[task] for task in paper} == paper
+  config.data.data_dir = str(tmp_path / "tfds")
+  # With the checkpoints in place and no dataset, validation stops naming the build command.
+  with pytest.raises(ConfigError, match=r"^data: cifar10: .*: tfds build cifar10 --data_dir="):
+    fedmuscle.validate(config)
+  # Mock data; data.limit shrinks every set: of 12 examples per split, the 3 MLC users get
+  # 4 each (of 200 asked), the 2 IC100 users 6, the IC10 user 12; the same of the test
+  # splits (1000 asked each); the public set 12 of VOC (5000 asked).
+  config.data.limit = 12
+  config.data.image_size = 16  # the tiny ViTs' input (the paper's 224 is resized to it anyway)
   config.rounds = 1
   config.rep_dim = 16
-  config.test_size = 8
   config.local_batch_size = 4
-  config.public.size = 8
   config.muscle.batch_size = 4
-  results = fedmuscle.run(config, tmp_path / "run", progress=False)
+  coco = _coco_captions(24)
+  real = tfds_data.data_source
+  monkeypatch.setattr(
+    tfds_data,
+    "data_source",
+    lambda name, **kw: coco if name == "coco_captions" else real(name, **kw),
+  )
+  with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
+    results = fedmuscle.run(config, tmp_path / "run", progress=False)
   scores = np.asarray(results["fedmuscle"] + results["local"], np.float64)
   assert scores.shape == (12,) and np.all(np.isfinite(scores))
-  assert str(folders[next(iter(folders))]) in (tmp_path / "run" / "report.md").read_text()
+  sizes = [4, 4, 4, 6, 6, 12]
+  assert results["data"]["train_sizes"] == results["data"]["test_sizes"] == sizes
+  assert results["data"]["public_size"] == 12
+  assert results["data"]["datasets"] == paper
+  report = (tmp_path / "run" / "report.md").read_text()
+  assert str(folders[next(iter(folders))]) in report
+  assert "Data (TFDS, data.limit=12, images 16 px)" in report
+  assert json.loads((tmp_path / "run" / "results.json").read_text())["data"]["limit"] == 12
 
 
 def test_fedscmr_paper_trains_a_round_on_a_feature_file(tmp_path):

@@ -36,8 +36,14 @@ Not in TFDS (4.9.10): Flickr30K, Yahoo! Answers, NUS-WIDE and the cross-modal
 Wikipedia set (TFDS's ``wikipedia`` is the text dump). FedSCMR reads Wikipedia as
 precomputed features from an ``.npz`` (``experiments/fedscmr.py:paper``).
 
-``limit`` keeps the first ``n`` examples: the arrays are decoded into memory
-(COCO's 113k training images at ``S = 224`` would be 68 GB of float32).
+``limit`` keeps the first ``n`` examples and ``indices`` picks some of those
+(:func:`num_examples` says how many there are): the arrays are decoded into
+memory (COCO's 113k training images at ``S = 224`` would be 68 GB of float32).
+Each reader names the labelled splits a runner trains and tests on
+(:attr:`Reader.splits`: ``validation`` is VOC's test set) and its classes per
+label key (:attr:`Reader.classes`). FedMuscle's runner reads its users' sets and
+public set this way when ``config.data.source = "tfds"``
+(:func:`fedjax_mm.runner.fedmuscle._tfds_sets`).
 
 Where the data must be
 ----------------------
@@ -100,11 +106,15 @@ class Reader:
     convert: ``(example, image_size, tokenizer, captions_per_image) -> {key: array}``
       for one example as ``tfds.data_source`` decodes it (numpy, nested dicts).
     keys: the keys :func:`load` returns (with a tokenizer, for captions).
+    classes: label key -> its number of classes (a task's outputs).
+    splits: ``(train, test)``: the labelled splits a runner trains and tests on.
   """
 
   builder: str
   convert: Callable[..., dict[str, np.ndarray]]
   keys: tuple[str, ...]
+  classes: dict[str, int]
+  splits: tuple[str, str] = ("train", "test")
 
 
 def resize_image(image: np.ndarray, size: int) -> np.ndarray:
@@ -183,11 +193,34 @@ def _ag_news(example, image_size, tokenizer, captions_per_image):
 
 #: Dataset name -> :class:`Reader`.
 READERS: dict[str, Reader] = {
-  "cifar10": Reader("cifar10", _cifar10, ("image", "label10")),
-  "cifar100": Reader("cifar100", _cifar100, ("image", "label100", "label20")),
-  "voc": Reader("voc/2012", _voc, ("image", "multilabel")),
-  "coco_captions": Reader("coco_captions/2014", _coco_captions, ("image", "multilabel", "caption")),
-  "ag_news_subset": Reader("ag_news_subset", _ag_news, ("caption", "caption_label")),
+  "cifar10": Reader("cifar10", _cifar10, ("image", "label10"), {"label10": 10}),
+  "cifar100": Reader(
+    "cifar100",
+    _cifar100,
+    ("image", "label100", "label20"),
+    {"label100": NUM_CIFAR100_CLASSES, "label20": NUM_CIFAR100_SUPERCLASSES},
+  ),
+  # VOC 2012's test labels are not public: its validation split is the test set.
+  "voc": Reader(
+    "voc/2012",
+    _voc,
+    ("image", "multilabel"),
+    {"multilabel": NUM_VOC_CLASSES},
+    ("train", "validation"),
+  ),
+  # Karpathy's splits: train (82,783 images), restval, val and test (5,000 each).
+  "coco_captions": Reader(
+    "coco_captions/2014",
+    _coco_captions,
+    ("image", "multilabel", "caption"),
+    {"multilabel": NUM_COCO_CLASSES},
+  ),
+  "ag_news_subset": Reader(
+    "ag_news_subset",
+    _ag_news,
+    ("caption", "caption_label"),
+    {"caption_label": NUM_AG_NEWS_CLASSES},
+  ),
 }
 
 #: Readers that cannot run without a ``tokenizer``.
@@ -274,8 +307,9 @@ def load(
   image_size: int = 32,
   tokenizer: Tokenizer | None = None,
   captions_per_image: int = 5,
+  indices: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-  """The first ``limit`` examples of ``name``'s ``split`` as a dict of numpy arrays.
+  """The first ``limit`` examples of ``name``'s ``split`` (or those ``indices`` pick) as arrays.
 
   Args:
     name: a key of :data:`READERS` (``cifar10``, ``cifar100``, ``voc``, ``coco_captions``,
@@ -287,12 +321,16 @@ def load(
     tokenizer: captions to ids ``int [n, L]`` (e.g. a Hugging Face tokenizer with
       ``padding="max_length"``); without it no ``caption`` key is returned.
     captions_per_image: ``C``, the captions kept per image.
+    indices: read only these examples, in this order, each below the split's size
+      capped by ``limit`` (:func:`num_examples`); None: all of the first ``limit``.
 
   Returns:
-    ``{key: array [n, ...]}`` with the keys the module docstring lists.
+    ``{key: array [n, ...]}`` with the keys the module docstring lists (``n =
+    len(indices)`` when given).
 
   Raises:
-    DatasetError: see :func:`data_source`; a ``limit`` or ``image_size`` < 1.
+    DatasetError: see :func:`data_source`; a ``limit`` or ``image_size`` < 1, no
+      index or one out of range.
   """
   for key, value in (("limit", limit), ("image_size", image_size)):
     if value is not None and (not isinstance(value, int) or value < 1):
@@ -305,9 +343,33 @@ def load(
   num = len(source) if limit is None else min(limit, len(source))
   if num == 0:
     raise DatasetError(f"{name}: split {split!r} is empty.")
+  order = np.arange(num) if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
+  if order.size == 0:
+    raise DatasetError(f"{name}: no example to read (indices is empty).")
+  if order.min() < 0 or order.max() >= num:
+    raise DatasetError(
+      f"{name}: indices must lie in [0, {num}) (split {split!r}, limit {limit}), "
+      f"got {order.min()}..{order.max()}."
+    )
   convert = READERS[name].convert
-  rows = [convert(source[i], image_size, tokenizer, captions_per_image) for i in range(num)]
+  rows = [convert(source[int(i)], image_size, tokenizer, captions_per_image) for i in order]
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def num_examples(
+  name: str,
+  *,
+  split: str = "train",
+  data_dir: str | os.PathLike | None = None,
+  limit: int | None = None,
+) -> int:
+  """How many examples :func:`load` can read of ``name``'s ``split``: its size, capped by ``limit``.
+
+  Opens the split (its metadata; nothing is decoded). Raises :class:`DatasetError`
+  as :func:`data_source`.
+  """
+  size = len(data_source(name, split=split, data_dir=data_dir))
+  return size if limit is None else min(limit, size)
 
 
 def hf_tokenizer(checkpoint: str, max_len: int = 32) -> Tokenizer:
@@ -345,6 +407,7 @@ __all__ = [
   "hf_tokenizer",
   "load",
   "multi_hot",
+  "num_examples",
   "prepared_folder",
   "resize_image",
 ]

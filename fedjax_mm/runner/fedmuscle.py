@@ -15,6 +15,13 @@ beside the trivial baseline, each method's Delta against local training, the
 bytes each FedMuscle user sends and receives per round under both downlink
 protocols, and the wall time.
 
+The users' sets and the public set come from ``config.data.source``: the
+embedded world (``"world"``, the default: one seeded pool per task, cut in
+disjoint slices) or the papers' datasets through TFDS (``"tfds"``:
+:func:`_tfds_sets`; each task's dataset in ``data.tasks``, the public set's in
+``data.public``, at most ``data.limit`` examples read of any split). A TFDS run
+also writes what each set got (``results.json`` ``"data"``, a report section).
+
 Everything is validated before anything is compiled: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
 it and exits with status 2).
@@ -26,6 +33,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +55,7 @@ from fedjax_mm.algorithms import (
   simclr,
 )
 from fedjax_mm.core import ledger as ledger_lib
+from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import cost as cost_lib
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
@@ -54,7 +63,9 @@ from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.writers import metric_series
 
-#: Task name -> (kind, input key, target key, outputs, head).
+#: Task name -> (kind, input key, target key, outputs on the world, head). With
+#: ``data.source = "tfds"`` the outputs are the classes of the task's dataset
+#: (:func:`_outputs`).
 TASKS: dict[str, tuple[str, str, str, int, str]] = {
   "mlc": ("multilabel", "image", "multilabel", data.NUM_SHAPES, "mlp"),
   "ic10": ("classification", "image", "label10", 10, "mlp"),
@@ -102,6 +113,8 @@ DEFAULT_METHODS = ("fedmuscle", "local")
 #: losses, and the share of the public set a pseudo-labelling user trained on (SAGE: whose
 #: pseudo-label counted).
 USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "pseudo_loss", "kept")
+#: The public set's key of each modality.
+_MODALITY_KEY = {"image": "image", "text": "caption"}
 #: How a user with a pretrained encoder fine-tunes (``config.fine_tune``, or a
 #: user's own ``fine_tune``): "adapters" freezes the encoder's base and trains
 #: LoRA adapters where it has dense layers (none in a CNN) plus the projector and
@@ -197,7 +210,68 @@ def validate(config) -> tuple[User, ...]:
         models.pretrained.resolve(checkpoint)
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
+  # Last, so a missing checkpoint is named first; still before anything is built.
+  tfds = data_source(config) == "tfds"
+  validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
   return users
+
+
+def data_source(config) -> str:
+  """``config.data.source``: ``"world"`` (also for a config without a ``data`` block) or ``"tfds"``."""
+  block = config.get("data") if hasattr(config, "get") else None
+  return "world" if block is None else block.get("source", "world")
+
+
+def _reader(where: str, name: str) -> tfds_data.Reader:
+  if name not in tfds_data.READERS:
+    raise ConfigError(
+      f"{where}: unknown TFDS dataset {name!r}; known: {', '.join(tfds_data.READERS)}."
+    )
+  return tfds_data.READERS[name]
+
+
+def _tfds_reads(config, users: Sequence[User], methods: Sequence[str]) -> list[tuple[str, str]]:
+  """The ``(dataset, split)`` pairs a ``data.source = "tfds"`` run reads, checked.
+
+  Each task reads ``data.tasks.<task>``'s train and test splits
+  (:attr:`~fedjax_mm.data.tfds.Reader.splits`), which must hold the task's input
+  and target keys; the public set reads ``data.public``'s train split, which must
+  hold every modality of ``public.modalities``. Raises :class:`ConfigError`.
+  """
+  block = config.data
+  if "cofed" in methods:  # its statements are the world's class hierarchy
+    raise ConfigError(
+      "cofed votes through the world's classes: it cannot run with data.source='tfds'."
+    )
+  reads = []
+  for task in sorted({u.task for u in users}):
+    _, input_key, target_key, _, _ = TASKS[task]
+    name = block.get("tasks", {}).get(task) or ""
+    if not name:
+      why = " (no TFDS dataset has segmentation masks)" if task == "ss" else ""
+      raise ConfigError(f"data.tasks.{task} names no dataset for the {task} users{why}.")
+    reader = _reader(f"data.tasks.{task}", name)
+    if target_key not in reader.classes or input_key not in reader.keys:
+      raise ConfigError(
+        f"data.tasks.{task}: {name} has no {input_key!r} and {target_key!r} for the {task} "
+        f"task (it gives {', '.join(reader.keys)})."
+      )
+    reads += [(name, split) for split in reader.splits]
+  reader = _reader("data.public", block.get("public", ""))
+  for m in config.public.modalities:
+    if _MODALITY_KEY[m] not in reader.keys:
+      raise ConfigError(
+        f"data.public: {block.public} has no {m} for the public set (it gives "
+        f"{', '.join(reader.keys)})."
+      )
+  reads.append((block.public, reader.splits[0]))
+  texts = any(TASKS[u.task][1] == "caption" for u in users) or "text" in config.public.modalities
+  if texts and text_tokenizer(users) is None:
+    raise ConfigError(
+      "data.source='tfds' reads English text, which needs the tokenizer of an hf: text "
+      "encoder: give the text users one (or drop text from public.modalities)."
+    )
+  return reads
 
 
 def text_tokenizer(users: Sequence[User]) -> str | None:
@@ -210,7 +284,21 @@ def _muscle_config(config) -> fedmuscle.MuscleConfig:
 
 
 def _user_data(config, users: Sequence[User]):
-  """Per-user train/test sets (disjoint, uniform split per task) and the public set."""
+  """Per-user train/test sets (disjoint, uniform split per task) and the public set.
+
+  From the world (:func:`_world_sets`) or, with ``data.source = "tfds"``, from
+  the papers' datasets (:func:`_tfds_sets`).
+  """
+  sets = _tfds_sets if data_source(config) == "tfds" else _world_sets
+  train, test, public = sets(config, users)
+  public = {
+    _MODALITY_KEY[m]: jnp.asarray(public[_MODALITY_KEY[m]]) for m in config.public.modalities
+  }
+  return dict(sorted(train)), dict(sorted(test)), public
+
+
+def _world_sets(config, users: Sequence[User]):
+  """``(train, test, public)`` drawn from the world: one pool per task, cut in disjoint slices."""
   seed = config.seed
   train, test = [], []
   by_task: dict[str, list[User]] = {}
@@ -232,9 +320,99 @@ def _user_data(config, users: Sequence[User]):
     for _, d in (*train, *test):
       d["caption"] = text_lib.retokenize(d["caption"], checkpoint)
     public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
-  keys = {"image": ("image",), "text": ("caption",)}
-  public = {k: jnp.asarray(public[k]) for m in config.public.modalities for k in keys[m]}
-  return dict(sorted(train)), dict(sorted(test)), public
+  return train, test, public
+
+
+def _tfds_sets(config, users: Sequence[User]):
+  """``(train, test, public)`` read through TFDS (:mod:`fedjax_mm.data.tfds`).
+
+  Every ``(dataset, split)`` is read once. Its first ``data.limit`` examples (0:
+  all) form a pool, shuffled by a key of the seed, the dataset and the split; the
+  users of a task take consecutive, disjoint slices of it (their ``train_size``
+  from the task's train split, ``test_size`` from its test split), and the public
+  set (``public.size``) the next slice of ``data.public``'s train split, so it
+  shares no example with a task that reads the same split. A pool smaller than
+  what is asked of it is shared in proportion (each set at least one example:
+  else :class:`ConfigError`). Images are resized to ``data.image_size``; text
+  goes through the hf: text encoders' tokenizer.
+  """
+  block = config.data
+  data_dir, limit = block.get("data_dir") or None, block.get("limit") or None
+  checkpoint = text_tokenizer(users)
+  tokenizer = tfds_data.hf_tokenizer(checkpoint, text_lib.HF_MAX_LEN) if checkpoint else None
+  wants: dict[tuple[str, str], list[tuple[tuple[str, int], int]]] = {}
+  by_task: dict[str, list[User]] = {}
+  for u in users:
+    by_task.setdefault(u.task, []).append(u)
+  for task, members in sorted(by_task.items()):
+    name = block.tasks[task]
+    train_split, test_split = tfds_data.READERS[name].splits
+    for u in members:
+      size = config.users[u.index]["train_size"]
+      wants.setdefault((name, train_split), []).append((("train", u.index), size))
+    for u in members:
+      wants.setdefault((name, test_split), []).append((("test", u.index), config.test_size))
+  public_read = (block.public, tfds_data.READERS[block.public].splits[0])
+  wants.setdefault(public_read, []).append((("public", -1), config.public.size))
+  sets = {}
+  for (name, split), asked in wants.items():
+    pool = tfds_data.num_examples(name, split=split, data_dir=data_dir, limit=limit)
+    sizes = _shares([n for _, n in asked], pool, f"{name} {split!r}", limit)
+    key = zlib.crc32(f"{name}/{split}".encode())
+    order = np.random.default_rng([config.seed, key]).permutation(pool)
+    bounds = np.cumsum([0, *sizes])
+    # Each set's indices sorted: a set is unordered, and the files are read in order.
+    indices = np.concatenate(
+      [np.sort(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    )
+    texts = name in tfds_data.NEEDS_TOKENIZER or (
+      (name, split) == public_read and "text" in config.public.modalities
+    )
+    arrays = tfds_data.load(
+      name,
+      split=split,
+      data_dir=data_dir,
+      limit=limit,
+      image_size=block.image_size,
+      tokenizer=tokenizer if texts else None,
+      indices=indices,
+    )
+    for (who, _), a, b in zip(asked, bounds[:-1], bounds[1:], strict=True):
+      sets[who] = data.take(arrays, np.arange(a, b))
+  public = sets.pop(("public", -1))
+  num_public = len(public["image" if "image" in public else "caption"])
+  needed = {"one batch (muscle.batch_size)": config.muscle.batch_size}
+  if "fedhenn" in methods_of(config):
+    needed["FedHeNN's alignment set"] = _baseline_config(config, "fedhenn").get(
+      "rad_size", fedhenn.FedHeNNConfig.rad_size
+    )
+  for what, n in needed.items():
+    if num_public < n:
+      raise ConfigError(
+        f"the public set read has {num_public} examples (data.limit={block.limit}), fewer "
+        f"than {what}: {n}."
+      )
+  train = [(i, d) for (kind, i), d in sets.items() if kind == "train"]
+  test = [(i, d) for (kind, i), d in sets.items() if kind == "test"]
+  return train, test, public
+
+
+def _shares(asked: Sequence[int], pool: int, where: str, limit: int | None) -> list[int]:
+  """How many examples each of the sets cut from one pool gets: what it asked, or a share.
+
+  When the pool is smaller than the sum asked, each set gets ``floor(asked * pool /
+  sum)``; a set left with none raises :class:`ConfigError`.
+  """
+  total = sum(asked)
+  if total <= pool:
+    return list(asked)
+  sizes = [n * pool // total for n in asked]
+  if min(sizes) < 1:
+    raise ConfigError(
+      f"data: {where} has {pool} examples (data.limit={limit or 0}) for {len(asked)} sets "
+      f"asking {total}: too few to give each one."
+    )
+  return sizes
 
 
 def build(config):
@@ -252,7 +430,7 @@ def build(config):
       lambda rngs, c=model_config: models.build(c, rngs=rngs),
       name=f"{u.name} ({u.encoder}/{u.task})",
       tx=tx,
-      task=_task(u),
+      task=_task(u, config),
       key=jax.random.fold_in(root, u.index),
       num_clients=1,
       trainable=models.trainable_filter(lora=frozen_base),
@@ -301,16 +479,18 @@ def _architecture(config, u: User) -> str:
 
 def _model_config(config, u: User) -> dict[str, Any]:
   """The :func:`fedjax_mm.models.build` config of a user's model (its architecture)."""
-  _, input_key, _, outputs, head = TASKS[u.task]
+  _, input_key, _, _, head = TASKS[u.task]
   spec = config.users[u.index]
   model_config = {
     "encoder": u.encoder,
     "head": head,
-    "num_outputs": outputs,
+    "num_outputs": _outputs(config, u.task),
     "rep_dim": config.rep_dim,
   }
   if input_key == "caption":
     model_config |= {"vocab_size": data.VOCAB_SIZE, "max_len": data.WorldConfig().max_caption_len}
+  elif data_source(config) == "tfds":  # the world's images are the zoo's default 32 x 32
+    model_config["image_size"] = config.data.image_size
   checkpoint = _pretrained(config, spec, u.encoder)
   hf = models.hf.is_hf(u.encoder)  # weights from its folder, fine-tuned with LoRA
   lora_ok = hf or u.encoder in models.LORA_ENCODERS
@@ -471,10 +651,18 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
   return {m: v for m, v in out.items() if m in methods}
 
 
-def _task(u: User) -> core.Task:
-  """A user's task (what :func:`build` gives its group)."""
-  kind, input_key, target_key, outputs, _ = TASKS[u.task]
-  return core.Task(kind, input_key, target_key, outputs)
+def _task(u: User, config=None) -> core.Task:
+  """A user's task (what :func:`build` gives its group); ``config`` None: on the world."""
+  kind, input_key, target_key, _, _ = TASKS[u.task]
+  return core.Task(kind, input_key, target_key, _outputs(config, u.task))
+
+
+def _outputs(config, task: str) -> int:
+  """A task's outputs: the world's classes, or with ``data.source = "tfds"`` its dataset's."""
+  _, _, target_key, outputs, _ = TASKS[task]
+  if config is None or data_source(config) != "tfds":
+    return outputs
+  return tfds_data.READERS[config.data.tasks[task]].classes[target_key]
 
 
 def _sage_bytes(states, tasks, archs) -> np.ndarray:
@@ -535,7 +723,21 @@ def experiment(config) -> loop.Experiment:
       float(np.asarray(m[g.task.metric_name])[0]) for m, g in zip(per_group, groups, strict=True)
     ]
 
-  traffic = _bytes_per_round(config, config.public.size // mc.batch_size)
+  # The public set as read: data.limit may have shrunk a TFDS one below public.size.
+  num_public = jax.tree.leaves(public)[0].shape[0]
+  traffic = _bytes_per_round(config, num_public // mc.batch_size)
+  data_note = None
+  if data_source(config) == "tfds":  # what was read, beside what the config asked
+    data_note = {
+      "source": "tfds",
+      "datasets": {t: config.data.tasks[t] for t in sorted({u.task for u in users})},
+      "public": config.data.public,
+      "limit": config.data.limit,
+      "image_size": config.data.image_size,
+      "train_sizes": [int(np.asarray(d.num_samples)[0]) for d in train_data],
+      "test_sizes": [int(np.asarray(d.num_samples)[0]) for d in test_data],
+      "public_size": int(num_public),
+    }
   costs = None
   if config.get("count_flops", False):  # compiled once here, nothing trained
     costs = cost_lib.method_costs(
@@ -582,7 +784,7 @@ def experiment(config) -> loop.Experiment:
     scalars=scalars,
     runs=methods,
     report=lambda outcome: _report(
-      config, methods, users, groups, traffic, trivial, outcome, costs=costs
+      config, methods, users, groups, traffic, trivial, outcome, costs=costs, data_note=data_note
     ),
     traffic=lambda name, out: sent.get(name),
     postfix=postfix,
@@ -669,9 +871,22 @@ FLOPS_NOTE = (
 
 
 def _report(
-  config, methods, users, groups, traffic, trivial, outcome: loop.Outcome, *, costs=None
+  config,
+  methods,
+  users,
+  groups,
+  traffic,
+  trivial,
+  outcome: loop.Outcome,
+  *,
+  costs=None,
+  data_note=None,
 ) -> loop.Report:
-  """Table 1 of the paper for this run: per user, every method vs local training, Delta, bytes."""
+  """Table 1 of the paper for this run: per user, every method vs local training, Delta, bytes.
+
+  ``data_note`` (TFDS runs): the datasets and the examples each set got, in
+  results.json ``"data"`` and a report section.
+  """
   final, history = outcome.final, outcome.history
   fmt = report_lib.format_table
   others = [m for m in methods if m != "local"]
@@ -777,6 +992,24 @@ def _report(
   ]
   if not single:
     sections.append(("Delta against local training", delta_table))
+  if data_note is not None:
+    result["data"] = data_note
+    data_rows = [
+      [
+        u.name,
+        data_note["datasets"][u.task],
+        data_note["train_sizes"][i],
+        data_note["test_sizes"][i],
+      ]
+      for i, u in enumerate(users)
+    ]
+    data_rows.append(["public set", data_note["public"], data_note["public_size"], ""])
+    sections.append(
+      (
+        f"Data (TFDS, data.limit={data_note['limit']}, images {data_note['image_size']} px)",
+        fmt(["set", "dataset", "train examples", "test examples"], data_rows),
+      )
+    )
   if sections_traffic is not None:
     sections.append(
       ("Communication", sections_traffic + "\n\n" + _downlink_note(config.muscle.downlink))

@@ -33,7 +33,7 @@ import dataclasses
 import math
 import numbers
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fedjax_mm.core.faults import Faults
@@ -126,6 +126,14 @@ FAULTS: dict[str, Range] = {
   "faults.byzantine_scale": FINITE,
 }
 
+#: The ``data`` block of a config that may read real datasets
+#: (:mod:`fedjax_mm.data.tfds`; ``data.limit = 0``: no limit).
+DATA: dict[str, Range] = {
+  "data.limit": NON_NEGATIVE_INT,
+  "data.image_size": COUNT,
+  "data.captions_per_image": COUNT,
+}
+
 #: The numbers of ``experiments/fedmuscle.py``.
 FEDMUSCLE: dict[str, Range] = {
   "seed": NON_NEGATIVE_INT,
@@ -172,6 +180,7 @@ FEDMUSCLE: dict[str, Range] = {
   "baselines.simclr.noise": NON_NEGATIVE,
   "baselines.pseudo_label.step": Range(0, 1, low_open=True),
   "baselines.pseudo_label.label_batch_size": COUNT,
+  **DATA,
   **FAULTS,
 }
 
@@ -370,25 +379,21 @@ def check_encoder(where: str, name: str, modality: str) -> None:
     raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
 
 
-#: The optional ``data`` block of a config that names real datasets
-#: (:mod:`fedjax_mm.data.tfds`; the ``:paper`` variants).
-DATA: dict[str, Range] = {
-  "data.limit": COUNT,
-  "data.image_size": COUNT,
-  "data.captions_per_image": COUNT,
-}
-
-
-def check_data(config: Any) -> tuple[str, ...]:
+def check_data(config: Any, reads: Iterable[tuple[str, str]] | None = None) -> tuple[str, ...]:
   """The datasets ``config.data`` names, each found prepared where it says; ``()`` for the world.
 
   A config without a ``data`` block, or with ``data.source = "world"``, trains
   on the embedded world (:mod:`fedjax_mm.data.world`). ``data.source = "tfds"``
-  names TFDS datasets in ``data.datasets`` (keys of
-  :data:`fedjax_mm.data.tfds.READERS`), read from ``data.data_dir`` (``None``:
-  TFDS's default folder) with split ``data.split``. Each is opened (its metadata
-  only, nothing is decoded or downloaded), so a dataset not prepared here fails
-  before anything is built.
+  reads TFDS datasets (keys of :data:`fedjax_mm.data.tfds.READERS`) from
+  ``data.data_dir`` (``None`` or ``""``: TFDS's default folder). Each split is
+  opened (its metadata only, nothing is decoded or downloaded), so a dataset not
+  prepared here fails before anything is built.
+
+  Args:
+    config: the run's config.
+    reads: the ``(dataset, split)`` pairs the runner will read (FedMuscle's come
+      from its tasks and public set); None: each of ``data.datasets`` at
+      ``data.split`` (default ``"train"``).
 
   Raises:
     ConfigError: an unknown source or dataset, a dataset not prepared (the
@@ -404,12 +409,14 @@ def check_data(config: Any) -> tuple[str, ...]:
     raise ConfigError(f"data.source must be 'world' or 'tfds', got {source!r}.")
   from fedjax_mm.data import tfds as tfds_data  # tensorflow-datasets, only when named
 
-  names = tuple(block.get("datasets", ()))
-  if not names:
+  if reads is None:
+    reads = [(name, block.get("split", "train")) for name in block.get("datasets", ())]
+  reads = tuple(dict.fromkeys(reads))
+  if not reads:
     raise ConfigError("data.source is 'tfds' but data.datasets names no dataset.")
-  for name in names:
+  for name, split in reads:
     try:
-      tfds_data.data_source(name, split=block.get("split", "train"), data_dir=block.get("data_dir"))
+      tfds_data.data_source(name, split=split, data_dir=block.get("data_dir") or None)
     except tfds_data.DatasetError as e:
       raise ConfigError(f"data: {e}") from None
-  return names
+  return tuple(dict.fromkeys(name for name, _ in reads))
