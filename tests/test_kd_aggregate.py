@@ -1,4 +1,8 @@
-"""FedET's and FedGEMS's weights on representations against per-sample, per-client loops."""
+"""FedET's and FedGEMS's weights on representations against per-sample, per-client loops.
+
+The rules run in chunks of public samples; every chunk size (dividing ``P`` or not,
+``>= P``) must give the loops' values, absent clients included.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,8 @@ import pytest
 from fedjax_mm.server import kd_aggregate
 
 TAU = 0.5
+# P = 12 public samples in _data: chunks of 1, of sizes that do not divide P, of P, beyond P.
+CHUNKS = [1, 5, 7, 12, 20]
 
 
 def _unit(x):
@@ -128,3 +134,65 @@ def test_rules_jit_and_run_in_float32():
   agg2, w2 = jax.jit(kd_aggregate.fedgems)(local, g_same, g_other, present)
   for a in (agg, w, agg2, w2):
     assert a.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(a)))
+
+
+PRESENCE = [[1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("present", PRESENCE)
+def test_chunked_fedet_matches_the_loop(x64, chunk, present):
+  """Every chunk size gives the loop's consensus, absent clients at 0."""
+  local, _, g_other = _data(4)
+  present = np.asarray(present, bool)
+  agg, w = kd_aggregate.fedet(local, g_other, present, temperature=TAU, chunk_size=chunk)
+  want_agg, want_w = _fedet_loop(local, g_other, present)
+  np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(np.asarray(agg), want_agg, rtol=1e-9, atol=1e-12)
+  assert np.all(np.asarray(w)[~present] == 0)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("present", PRESENCE)
+def test_chunked_fedgems_matches_the_loop(x64, chunk, present):
+  local, g_same, g_other = _data(5)
+  present = np.asarray(present, bool)
+  agg, w = kd_aggregate.fedgems(local, g_same, g_other, present, temperature=TAU, chunk_size=chunk)
+  want_agg, want_w = _fedgems_loop(local, g_same, g_other, present)
+  np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(np.asarray(agg), want_agg, rtol=1e-9, atol=1e-12)
+  assert np.all(np.asarray(w)[~present] == 0)
+
+
+def test_automatic_chunks_bound_the_probabilities_in_memory():
+  """chunk_size=None keeps C x chunk x P probabilities within DEFAULT_CHUNK_ELEMENTS."""
+  for clients, public in ((9, 1200), (10, 50_000), (3, 10)):
+    chunk = kd_aggregate.default_chunk_size(clients, public)
+    assert 1 <= chunk <= public
+    assert clients * chunk * public <= max(kd_aggregate.DEFAULT_CHUNK_ELEMENTS, clients * public)
+  assert kd_aggregate.default_chunk_size(10, 50_000) < 50_000  # the paper's P is chunked
+  # The automatic choice gives the same values as one chunk (here it is one chunk).
+  local, g_same, g_other = (jnp.asarray(x, jnp.float32) for x in _data(6))
+  present = jnp.array([True, True, False, True, True])
+  auto = kd_aggregate.fedgems(local, g_same, g_other, present)
+  whole = kd_aggregate.fedgems(local, g_same, g_other, present, chunk_size=12)
+  for a, b in zip(auto, whole, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_chunked_rules_jit_with_a_static_chunk():
+  local, g_same, g_other = (jnp.asarray(x, jnp.float32) for x in _data(7))
+  present = jnp.array([True, False, True, True, True])
+  fedet = jax.jit(lambda *a: kd_aggregate.fedet(*a, chunk_size=5))
+  fedgems = jax.jit(lambda *a: kd_aggregate.fedgems(*a, chunk_size=5))
+  for got, want in (
+    (fedet(local, g_other, present), kd_aggregate.fedet(local, g_other, present)),
+    (
+      fedgems(local, g_same, g_other, present),
+      kd_aggregate.fedgems(local, g_same, g_other, present),
+    ),
+  ):
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="chunk_size"):
+    kd_aggregate.fedet(local, g_other, present, chunk_size=0)

@@ -278,7 +278,8 @@ class CreamConfig:
     muscle_partners: ``M`` local matrices per batch in the server's Muscle loss.
     muscle_tau_full: Muscle ``tau^{(M+1)}``.
     muscle_tau_reduced: Muscle ``tau^{(M)}`` (``gamma = 1/tau_reduced - 1/tau_full``).
-    gca_chunk_size: anchors per GCA chunk (``None``: automatic).
+    gca_chunk_size: public samples per chunk of GCA and of FedET's and FedGEMS's
+      rules (``None``: automatic, :func:`fedjax_mm.server.gca.default_chunk_size`).
   """
 
   num_selected: int = 6
@@ -817,10 +818,19 @@ def creamfl(
         chunk_size=config.gca_chunk_size,
       ),
       lambda _: kd_aggregate.fedet(
-        local, global_other, present, temperature=config.gca_temperature
+        local,
+        global_other,
+        present,
+        temperature=config.gca_temperature,
+        chunk_size=config.gca_chunk_size,
       ),
       lambda _: kd_aggregate.fedgems(
-        local, global_same, global_other, present, temperature=config.gca_temperature
+        local,
+        global_same,
+        global_other,
+        present,
+        temperature=config.gca_temperature,
+        chunk_size=config.gca_chunk_size,
       ),
     )
     return jax.lax.switch(var.aggregation, branches, None)
