@@ -146,6 +146,9 @@ def get_config(arg=None):
       # Public samples per local step of eq. (3); None: ceil(P / private steps per epoch),
       # so that a local epoch draws about P of them, as the reference's regulariser epoch.
       "public_batch_size": ml_collections.FieldReference(None, field_type=int),
+      # FedET's diversity regulariser in the FedET row's server distillation (lambda; the
+      # FedET re-implementation's 0.05, fedjax_mm/server/kd_aggregate.py).
+      "fedet_diversity_weight": 0.05,
     }
   )
 

@@ -1,15 +1,18 @@
 """CreamFL's client step: the intra-modal negative is the start-of-round model; objectives."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from fedjax_mm import core, data, losses, models
 from fedjax_mm.algorithms import creamfl, creamfl_baselines
+from fedjax_mm.server import kd_aggregate
 
 D = 8
 NUM_PUBLIC = 4
@@ -298,6 +301,12 @@ def test_variants_table_and_validation():
     assert float(b.local_kd) == float(b.distill) == 1.0
     assert float(b.inter) == float(b.intra) == float(b.client_muscle) == 0.0
   assert float(creamfl.variant(**creamfl.VARIANTS["CreamFL"]).local_kd) == 0.0
+  # FedET's diversity regulariser: the FedET row only, and only with FedET's majority vote.
+  rows = {**creamfl.VARIANTS, **creamfl_baselines.BASELINES}
+  for name, row in rows.items():
+    assert float(creamfl.variant(**row).diversity) == float(name == "FedET"), name
+  with pytest.raises(ValueError, match="diversity"):
+    creamfl.variant("gca", "kd", diversity=True)
 
 
 def test_partners_are_distinct_and_present():
@@ -305,3 +314,119 @@ def test_partners_are_distinct_and_present():
   for seed in range(20):
     p = np.asarray(creamfl.draw_local_partners(jax.random.key(seed), present, 3))
     assert len(set(p.tolist())) == 3 and np.all(np.asarray(present)[p])
+
+
+@pytest.fixture(scope="module")
+def server_setup(setup):
+  """A tiny server (cnn_s + transformer_t) under Adam, and FedET's targets of 3 clients."""
+  *_, public, global_reps = setup
+  world = data.WorldConfig(image_size=16)
+  model = creamfl.DualEncoder(
+    "cnn_s",
+    "transformer_t",
+    rep_dim=D,
+    image_size=16,
+    vocab_size=data.VOCAB_SIZE,
+    max_len=world.max_caption_len,
+    rngs=nnx.Rngs(3),
+  )
+  graphdef, params = nnx.split(model)
+  server = creamfl.ServerDef(graphdef, optax.adam(1e-2))
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  present = jnp.ones((3,), bool)
+  local, targets, diversity = {}, {}, {}
+  for i, m in enumerate(creamfl.MODALITIES):
+    local[m] = unit(jax.random.normal(jax.random.key(10 + i), (3, NUM_PUBLIC, D)))
+    agg, _, ensemble, beta = kd_aggregate.fedet_with_diversity(
+      local[m], global_reps[creamfl._other(m)], present, chunk_size=3
+    )
+    targets[m], diversity[m] = agg, (ensemble, jnp.sum(beta, axis=0) > 0)
+  assert all(bool(jnp.any(d[1])) for d in diversity.values())  # some samples have dissent
+  return server, params, public, global_reps, local, targets, diversity, present
+
+
+def _server_objective(server_setup, weight, var, with_diversity=True):
+  server, _, public, global_reps, local, targets, diversity, present = server_setup
+  config = dataclasses.replace(_config(), fedet_diversity_weight=weight, muscle_partners=2)
+  has = {m: jnp.float32(1.0) for m in creamfl.MODALITIES}
+  return creamfl.server_kd_objective(
+    server,
+    public,
+    targets,
+    has,
+    jnp.concatenate([local[m] for m in creamfl.MODALITIES]),
+    jnp.concatenate([present, present]),
+    config,
+    var,
+    diversity=diversity if with_diversity else None,
+    global_reps=global_reps if with_diversity else None,
+  )
+
+
+def test_fedet_diversity_term_in_the_servers_distillation(setup, server_setup):
+  """FedET's objective = eq. (7) + lambda sum_m mean KL; inactive in the other rows."""
+  server, params, public, global_reps, _, _, diversity, _ = server_setup
+  batch, mask, key = {"index": jnp.array([3, 0, 1])}, jnp.ones((3,), bool), jax.random.key(0)
+  fedet = creamfl.variant(**creamfl_baselines.BASELINES["FedET"])
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def value(weight, var, with_diversity=True):
+    objective = _server_objective(server_setup, weight, var, with_diversity)
+    return objective(params, batch, mask, key)[0]
+
+  model = server.merge(params)
+  kl = 0.0
+  for m in creamfl.MODALITIES:
+    z = creamfl.represent(model, m, creamfl._public_inputs(public, m, batch["index"]))
+    ensemble, has = diversity[m]
+    kl += float(
+      losses.fedet_diversity(
+        z, ensemble[batch["index"]], global_reps[creamfl._other(m)], where=has[batch["index"]]
+      ).mean()
+    )
+  assert kl > 0
+  base = float(value(0.0, fedet))
+  np.testing.assert_allclose(float(value(0.3, fedet)) - base, 0.3 * kl, rtol=1e-4)
+  # Without the switch (the other rows) the term is off whatever lambda is, and equals the
+  # program that never had it.
+  no_switch = creamfl.variant("fedet", "kd")
+  off = float(value(0.3, no_switch))
+  np.testing.assert_allclose(off, base, rtol=1e-6)
+  np.testing.assert_allclose(off, float(value(0.0, no_switch, False)), rtol=1e-6)
+
+
+def test_fedet_diversity_weight_moves_the_adam_server_update(server_setup):
+  """grad is linear in lambda, and under Adam the pass's update moves with it."""
+  server, params, *_ = server_setup
+  fedet = creamfl.variant(**creamfl_baselines.BASELINES["FedET"])
+  batch, mask, key = {"index": jnp.array([3, 0])}, jnp.ones((2,), bool), jax.random.key(1)
+
+  @jax.jit
+  def grad(weight):
+    objective = _server_objective(server_setup, weight, fedet)
+    return jax.grad(lambda p: objective(p, batch, mask, key)[0])(params)
+
+  g0, g1, g2 = grad(0.0), grad(1.0), grad(2.0)
+  part1 = jax.tree.map(lambda a, b: a - b, g1, g0)
+  part2 = jax.tree.map(lambda a, b: a - b, g2, g0)
+  scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(part1))
+  assert scale > 1e-5
+  _assert_trees(
+    lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-3, atol=1e-3 * scale), part2, part1
+  )
+
+  @jax.jit
+  def update(weight):
+    objective = _server_objective(server_setup, weight, fedet)
+    opt = server.tx.init(params)
+    new, *_ = creamfl._public_pass(objective, server.tx, params, opt, key, NUM_PUBLIC, 2, True)
+    return jnp.concatenate(
+      [jnp.ravel(a - b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params), strict=True)]
+    )
+
+  u0, u_small, u1 = (np.asarray(update(w)) for w in (0.0, 0.05, 1.0))
+  cosine = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+  # Adam normalises each coordinate's step, so lambda is checked on the update (two steps
+  # over the public set), not on the loss: its values move, and its direction.
+  assert np.max(np.abs(u_small - u0)) > 1e-4
+  assert cosine(u1, u0) < cosine(u_small, u0) < 1.0

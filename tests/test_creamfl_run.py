@@ -9,6 +9,7 @@ import pytest
 
 from experiments import creamfl as creamfl_config
 from fedjax_mm import data
+from fedjax_mm.algorithms import creamfl
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -25,6 +26,7 @@ from fedjax_mm.runner.workdir import WorkdirError
     ("test.sizes", (3, 3), "test.sizes must be distinct sizes >= 2"),
     ("test.private_size", 1, "test.private_size must be 0"),
     ("creamfl.inter_temperature", 0.0, "inter_temperature must be > 0"),
+    ("creamfl.fedet_diversity_weight", -0.1, "fedet_diversity_weight must be >= 0"),
     ("creamfl.public_batch_size", 9, "public_batch_size (9) must be between 1 and public.size (8)"),
     ("faults.dropout", 0.34, "FedAvg, FedIoT simulate no client faults"),
     ("vqa.steps", 0, "vqa.steps must be >= 1"),
@@ -153,6 +155,9 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   for method in ("FedMD", "FedET", "FedGEMS"):
     assert len(kd[method]) == config.rounds and kd[method][0] != kd["reamFL+Mean"][0], method
   assert kd["FedET"][0] != kd["FedMD"][0] != kd["FedGEMS"][0]
+  # The FedET row ran with its diversity regulariser in the server's distillation.
+  assert float(creamfl.variant(**runner.ROWS["FedET"]).diversity) == 1.0
+  assert config.creamfl.fedet_diversity_weight > 0
   # FedIoT's 100x on multimodal clients moves the server's towers: round 2's clients start apart.
   loss = {
     m: [r[f"{m}/client_loss"] for r in records if f"{m}/client_loss" in r]

@@ -82,7 +82,9 @@ The distillation baselines of Table 1 (FedMD, FedET, FedGEMS,
 4's regulariser replaced by local distillation (the l2 distance of each local
 representation to the server's global one of the same modality, weighted by
 the same ``gamma``) and step 6 by the mean, FedET's or FedGEMS's rule
-(:mod:`fedjax_mm.server.kd_aggregate`).
+(:mod:`fedjax_mm.server.kd_aggregate`); FedET's step 7 also carries its diversity
+regulariser (``lambda`` KL to the ensemble of the clients outside the majority,
+:func:`fedjax_mm.losses.fedet_diversity`).
 
 Which variant runs is a runtime :class:`Variant` (the aggregation rule, picked
 by ``jax.lax.switch``, and 0/1 weights of the regulariser terms and server
@@ -278,7 +280,12 @@ class CreamConfig:
     muscle_partners: ``M`` local matrices per batch in the server's Muscle loss.
     muscle_tau_full: Muscle ``tau^{(M+1)}``.
     muscle_tau_reduced: Muscle ``tau^{(M)}`` (``gamma = 1/tau_reduced - 1/tau_full``).
-    gca_chunk_size: anchors per GCA chunk (``None``: automatic).
+    gca_chunk_size: public samples per chunk of GCA and of FedET's and FedGEMS's
+      rules (``None``: automatic, :func:`fedjax_mm.server.gca.default_chunk_size`).
+    fedet_diversity_weight: ``lambda`` of FedET's diversity regulariser in the
+      server's distillation (FedET row only, :class:`Variant` ``diversity``;
+      0.05 as the FedET re-implementation the term follows,
+      :mod:`fedjax_mm.server.kd_aggregate`).
   """
 
   num_selected: int = 6
@@ -295,6 +302,7 @@ class CreamConfig:
   muscle_tau_reduced: float = 0.15
   gca_chunk_size: int | None = None
   public_batch_size: int | None = None
+  fedet_diversity_weight: float = 0.05
 
   @property
   def muscle_gamma(self) -> float:
@@ -316,6 +324,9 @@ class Variant:
       distance (eq. (7)'s) of each local representation to the server's
       global representation of the same modality (FedMD / FedET / FedGEMS,
       :mod:`fedjax_mm.algorithms.creamfl_baselines`).
+    diversity: weight (0 or 1) of FedET's diversity regulariser in the server's
+      distillation (times ``CreamConfig.fedet_diversity_weight``; the FedET row,
+      :func:`fedjax_mm.losses.fedet_diversity`).
   """
 
   aggregation: Array
@@ -325,6 +336,7 @@ class Variant:
   distill: Array
   server_muscle: Array
   local_kd: Array
+  diversity: Array
 
   @property
   def regularised(self) -> Array:
@@ -339,6 +351,7 @@ def variant(
   inter: bool = True,
   intra: bool = True,
   server: str = "distill",
+  diversity: bool = False,
 ) -> Variant:
   """A :class:`Variant` from names (validated).
 
@@ -348,6 +361,8 @@ def variant(
     inter: with ``regulariser="lcr"``, include the inter-modal term.
     intra: with ``regulariser="lcr"``, include the intra-modal term.
     server: one of :data:`SERVER_OBJECTIVES`.
+    diversity: add FedET's diversity regulariser to the server's distillation
+      (only with ``aggregation="fedet"``, whose majority vote defines it).
   """
   for name, value, known in (
     ("aggregation", aggregation, AGGREGATIONS),
@@ -356,6 +371,8 @@ def variant(
   ):
     if value not in known:
       raise ValueError(f"{name} must be one of {known}, got {value!r}.")
+  if diversity and aggregation != "fedet":
+    raise ValueError(f"diversity needs aggregation='fedet', got {aggregation!r}.")
   lcr = regulariser == "lcr"
   return Variant(
     aggregation=jnp.int32(AGGREGATIONS.index(aggregation)),
@@ -365,6 +382,7 @@ def variant(
     distill=jnp.float32(server == "distill"),
     server_muscle=jnp.float32(server == "muscle"),
     local_kd=jnp.float32(regulariser == "kd"),
+    diversity=jnp.float32(diversity),
   )
 
 
@@ -667,14 +685,33 @@ def server_kd_objective(
   present: Array,
   config: CreamConfig,
   var: Variant,
+  *,
+  diversity: dict[str, tuple[Array, Array]] | None = None,
+  global_reps: dict[str, Array] | None = None,
 ):
   """Steps 6-7 on the server: eq. (7) and/or the server's Muscle loss (App. K).
 
   ``distill * sum_m ||f_m - a_m||_2`` (``a_m`` the aggregated representations,
   modalities nobody sent are skipped) ``+ server_muscle * sum_m Muscle(f_m;
   M local matrices)``, where the ``M`` partners are drawn per batch among all
-  local matrices received (``local_reps`` ``[R, P, d]``, both modalities).
+  local matrices received (``local_reps`` ``[R, P, d]``, both modalities); the
+  FedET row (``var.diversity``) adds ``fedet_diversity_weight * sum_m mean_k
+  KL(softmax(e_m,k . g_m'/tau) || softmax(f_m,k . g_m'/tau))``, FedET's diversity
+  regulariser (:func:`fedjax_mm.losses.fedet_diversity`,
+  :mod:`fedjax_mm.server.kd_aggregate`), under a ``jax.lax.cond`` so the other rows
+  do not compute it.
+
+  Args:
+    diversity: per modality ``m``, ``(e_m [P, d], mask_m bool [P])``: FedET's
+      diversity ensemble and the samples that have one
+      (:func:`fedjax_mm.server.kd_aggregate.fedet_with_diversity`); ``None``
+      leaves the term out of the program.
+    global_reps: the global representations ``g`` of both modalities (this
+      round's ``I_glob``, ``T_glob``; the softmaxes of modality ``m`` run over
+      those of the other one ``m'``); needed with ``diversity``.
   """
+  if diversity is not None and global_reps is None:
+    raise ValueError("diversity needs global_reps.")
 
   def objective(params, batch, mask, key):
     model = server.merge(params)
@@ -691,6 +728,24 @@ def server_kd_objective(
         + var.distill * has[m] * masked_mean(distance, mask)
         + var.server_muscle * masked_mean(muscle, mask)
       )
+      if diversity is not None:
+        ensemble, has_ensemble = diversity[m]
+
+        def regularise(_, z=z, ensemble=ensemble, has_ensemble=has_ensemble, m=m):
+          kl = losses.fedet_diversity(
+            z,
+            ensemble[index],
+            global_reps[_other(m)],
+            temperature=config.gca_temperature,
+            where=mask & has_ensemble[index],
+          )
+          return masked_mean(kl, mask).astype(z.dtype)
+
+        def skip(_, z=z):
+          return jnp.zeros((), z.dtype)
+
+        value = jax.lax.cond(var.diversity > 0, regularise, skip, None)
+        total = total + config.fedet_diversity_weight * value
     return config.distill_weight * total, {}
 
   return objective
@@ -801,27 +856,40 @@ def creamfl(
     )
 
   def aggregate_modality(local, present, counts, multimodal, global_same, global_other, var):
-    """Step 6 for one modality: ``[C, P, d]`` -> ``[P, d]`` by the variant's rule."""
+    """Step 6 for one modality: ``[C, P, d]`` -> ``[P, d]`` by the variant's rule.
+
+    Returns ``(target [P, d], diversity [P, d], has_diversity bool [P])``: the
+    last two are FedET's diversity ensemble (zeros / ``False`` for the other rules).
+    """
     p = present.astype(local.dtype)
     n = counts.astype(local.dtype)
     factor = jnp.where(multimodal, config.iot_weight, 1.0).astype(local.dtype)
+    tau, chunk = config.gca_temperature, config.gca_chunk_size
+    none = (jnp.zeros(local.shape[1:], local.dtype), jnp.zeros(local.shape[1:2], bool))
+
+    def fedet(_):
+      target, _, ensemble, beta = kd_aggregate.fedet_with_diversity(
+        local, global_other, present, temperature=tau, chunk_size=chunk
+      )
+      return target, ensemble, jnp.sum(beta, axis=0) > 0
+
+    def fedgems(_):
+      target, _ = kd_aggregate.fedgems(
+        local, global_same, global_other, present, temperature=tau, chunk_size=chunk
+      )
+      return target, *none
+
+    def gca_rule(_):
+      target, _ = gca.gca(local, global_other, present, temperature=tau, chunk_size=chunk)
+      return target, *none
+
     branches = (
-      lambda _: gca.client_weighted(local, p),
-      lambda _: gca.client_weighted(local, p * n),
-      lambda _: gca.client_weighted(local, p * n * factor),
-      lambda _: gca.gca(
-        local,
-        global_other,
-        present,
-        temperature=config.gca_temperature,
-        chunk_size=config.gca_chunk_size,
-      ),
-      lambda _: kd_aggregate.fedet(
-        local, global_other, present, temperature=config.gca_temperature
-      ),
-      lambda _: kd_aggregate.fedgems(
-        local, global_same, global_other, present, temperature=config.gca_temperature
-      ),
+      lambda _: (gca.client_weighted(local, p)[0], *none),
+      lambda _: (gca.client_weighted(local, p * n)[0], *none),
+      lambda _: (gca.client_weighted(local, p * n * factor)[0], *none),
+      gca_rule,
+      fedet,
+      fedgems,
     )
     return jax.lax.switch(var.aggregation, branches, None)
 
@@ -908,7 +976,7 @@ def creamfl(
     stats["received"] = {m: jnp.sum(meta[m]["present"]) for m in MODALITIES}
 
     # 6-7. Aggregation and distillation (or the server's Muscle loss).
-    targets = {
+    aggregated = {
       m: aggregate_modality(
         local[m],
         meta[m]["present"],
@@ -917,18 +985,20 @@ def creamfl(
         global_reps[m],
         global_reps[_other(m)],
         var,
-      )[0]
+      )
       for m in MODALITIES
     }
     objective = server_kd_objective(
       server,
       public,
-      targets,
+      {m: a[0] for m, a in aggregated.items()},
       has,
       jnp.concatenate([local[m] for m in MODALITIES]),
       jnp.concatenate([meta[m]["present"] for m in MODALITIES]),
       config,
       var,
+      diversity={m: a[1:] for m, a in aggregated.items()},
+      global_reps=global_reps,
     )
     params, opt, rng, kd_stats = _public_pass(
       objective,

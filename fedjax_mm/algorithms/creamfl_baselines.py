@@ -25,8 +25,8 @@ public representations and receive the server's ``I_glob``, ``T_glob``
   clients in this engine, and it has just been distilled from the previous
   round's aggregate (the consensus) and trained on the public set.
 * step 6, the aggregation of the clients' representations per modality.
-* step 7 is unchanged: the server distils its large model into the aggregate
-  (eq. (7)).
+* step 7: the server distils its large model into the aggregate (eq. (7)),
+  FedET adding its diversity regulariser.
 
 **FedMD** (Li & Wang, "FedMD: Heterogenous Federated Learning via Model
 Distillation", NeurIPS 2019 workshop, arXiv 1910.03581): the consensus is the
@@ -45,11 +45,18 @@ the raw mean, and (c) the outputs are representations, not class scores.
 Large Models in Federated Learning", IJCAI 2022, arXiv 2204.12703): a large
 server model distilled from the clients' ensemble, weighted by confidence (the
 variance of each client's output) among the clients agreeing with the
-majority vote, and server-to-client transfer. Here: aggregation ``"fedet"``
-(:func:`fedjax_mm.server.kd_aggregate.fedet`: the output of a client on sample
-``k`` is its softmax over the public set of similarities to the server's other
-modality, GCA's eq. (4) scores) and the same local distillation. FedET's
-diversity regulariser (server heads) is not reproduced.
+majority vote, a diversity regulariser that distils the clients outside the
+consensus into the server too, and server-to-client transfer. Here: aggregation
+``"fedet"`` (:func:`fedjax_mm.server.kd_aggregate.fedet`: the output of a client
+on sample ``k`` is its softmax over the public set of similarities to the
+server's other modality, GCA's eq. (4) scores), the same local distillation,
+and ``diversity=True``: the server's distillation adds
+``CreamConfig.fedet_diversity_weight`` (``lambda = 0.05``) times the KL from the
+softmax of the non-majority clients' variance-weighted ensemble to the
+server's own softmax over the same public set
+(:func:`fedjax_mm.server.kd_aggregate.fedet_with_diversity`,
+:func:`fedjax_mm.losses.fedet_diversity`; the source of the term's form and of
+``lambda``, and what was adapted, are in :mod:`fedjax_mm.server.kd_aggregate`).
 
 **FedGEMS** (Cheng et al., "FedGEMS: Federated Learning of Larger Server Models
 via Selective Knowledge Fusion", arXiv 2110.11027, 2021): the server keeps its
@@ -75,6 +82,6 @@ from typing import Any
 #: The rows, as keyword arguments of :func:`fedjax_mm.algorithms.creamfl.variant`.
 BASELINES: dict[str, dict[str, Any]] = {
   "FedMD": dict(aggregation="mean", regulariser="kd"),
-  "FedET": dict(aggregation="fedet", regulariser="kd"),
+  "FedET": dict(aggregation="fedet", regulariser="kd", diversity=True),
   "FedGEMS": dict(aggregation="fedgems", regulariser="kd"),
 }

@@ -30,6 +30,7 @@ from fedjax_mm.losses.dscmr import (
   mean_distance,
 )
 from fedjax_mm.losses.feddf import ensemble_distillation
+from fedjax_mm.losses.fedet import fedet_diversity
 from fedjax_mm.losses.fedhenn import center_kernel, cka, cka_distance, linear_kernel
 from fedjax_mm.losses.fedrcl import (
   divergence_penalty,
@@ -75,6 +76,7 @@ __all__ = [
   "dro_loss",
   "dscmr_loss",
   "ensemble_distillation",
+  "fedet_diversity",
   "fedscmr_loss",
   "fedscmr_terms",
   "gram_volumes",

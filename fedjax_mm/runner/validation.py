@@ -223,6 +223,7 @@ CREAMFL: dict[str, Range] = {
   "creamfl.muscle_tau_reduced": POSITIVE,
   "creamfl.gca_chunk_size": COUNT,
   "creamfl.public_batch_size": COUNT,
+  "creamfl.fedet_diversity_weight": NON_NEGATIVE,
   "vqa.train_images": COUNT,
   "vqa.test_images": COUNT,
   "vqa.steps": COUNT,
