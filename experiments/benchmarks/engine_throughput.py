@@ -34,6 +34,7 @@ from absl import app, flags
 from flax import nnx
 
 from fedjax_mm import core, data, models
+from fedjax_mm.core import cost
 from fedjax_mm.models.conv import Conv
 
 _CLIENTS = flags.DEFINE_list("clients", ["8", "64", "512"], "Client counts N.")
@@ -60,12 +61,6 @@ def _median_time(fn, repeats):
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
   return statistics.median(times)
-
-
-def _flops(jitted, *args):
-  cost = jitted.lower(*args).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost.get("flops", float("nan")))
 
 
 def _matmul_gflops(repeats):
@@ -97,7 +92,7 @@ def _vmapped(impl, num_clients, client_data, batch, client_map="vmap"):
   group, state = _group(impl, num_clients, batch, client_map)
   vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
   seconds = _median_time(lambda: vmapped(state, client_data), _repeats(impl))
-  return seconds, _flops(vmapped, state, client_data)
+  return seconds, cost.flops(vmapped, state, client_data)
 
 
 def _loop(impl, num_clients, client_data, batch):
@@ -113,7 +108,14 @@ def _loop(impl, num_clients, client_data, batch):
   per = (state.params, state.opt_state, state.rng, client_data.arrays, client_data.sample_mask)
   clients = [jax.tree.map(lambda x, k=k: x[k], per) for k in range(looped)]
   seconds = _median_time(lambda: [single(*c) for c in clients], _repeats(impl))
-  return seconds * num_clients / looped, _flops(single, *clients[0]) * num_clients, looped
+  # XLA's cost analysis counts the body of the local update's scan over steps once,
+  # so the compiled update's count is one step's: a round is steps x clients of it.
+  steps = -(-client_data.sample_mask.shape[1] // batch)
+  return (
+    seconds * num_clients / looped,
+    cost.flops(single, *clients[0]) * steps * num_clients,
+    looped,
+  )
 
 
 def _group(impl, num_clients, batch, client_map="vmap"):
@@ -178,8 +180,8 @@ def main(argv):
     cells[num_clients] = cell
 
     def show(name, cell=cell, n=num_clients):
-      # The loop's FLOPs for every column: the same work, and XLA's cost
-      # analysis counts a compiled loop's body once, not once per iteration.
+      # The loop's FLOPs for every column: the same work, and XLA's cost analysis
+      # counts a compiled loop's body (the engine's scan or map over clients) once.
       seconds, flops = cell[name][0], cell["loop"][1]
       rate = f"{n * steps / seconds:.1f} ({flops / seconds / 1e9:.1f})"
       if name == "loop":
