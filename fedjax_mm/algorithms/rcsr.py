@@ -131,10 +131,11 @@ heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAv
   g_v + 0.1 a_v`` (:func:`fedjax_mm.server.rcsr.representation_ema`). This replaces
   CreamFL's eq. (7), whose server distils its own model into ``a`` and sends that
   model's representations: with the representations themselves as the distilled
-  parameters, one step of size 0.1 on ``1/2 ||g - a||^2`` *is* that EMA, and Table 3's
-  other EMA (the prototypes') has the same momentum; RCSR's text names no other
-  quantity it could apply to (the FedAvg'd model is not averaged over rounds in any
-  other row). (iv) **Single-modality clients** regularise and report only the modality
+  parameters, one step of size 0.1 on ``1/2 ||g - a||^2`` *is* that EMA, and RCSR's own
+  EMA of global prototypes has the same momentum (Table 3: "EMA momentum mu 0.9"; C.5:
+  "EMA: mu=0.9 for global prototypes"); RCSR's text names no other quantity it could
+  apply to (no row averages the FedAvg'd model over rounds). In round 1 ``g`` equals the
+  start-of-round model's representations, so eq. (2) has no gradient until ``g`` moves. (iv) **Single-modality clients** regularise and report only the modality
   they hold (CreamFL's uni-modal clients do the same), their unsent rows are zeroed and
   they are absent from that modality's GCA exactly as unsampled clients are
   (``present = m_k[v]``); their missing tower's update is masked as in every method;
