@@ -32,6 +32,14 @@ def test_validate_names_the_key(key, value, message):
     runner.validate(config)
 
 
+@pytest.mark.parametrize("ema", [1.0, -0.1])
+def test_validate_creamfl_ema(ema):
+  config = rcsr_config.get_config("smoke")
+  config.rcsr.creamfl_ema = ema
+  with pytest.raises(ConfigError, match=re.escape("rcsr.creamfl_ema must be in [0, 1)")):
+    runner.validate(config)
+
+
 def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   code, _, err = experiment_main.run(
     "experiments/rcsr.py:smoke",
