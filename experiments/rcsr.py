@@ -15,11 +15,13 @@ encoders (vit_t + transformer_t) with per-block bottleneck adapters and MLP head
 pairs with its std, worst client and best - worst gap). Variant ``:ablations`` runs
 Table 5's and Sec. C.4's ablations (zero and learnable-placeholder fills) beside FedAvg,
 RCSR and RCSR-p; ``:baselines`` runs FedAvg, FedProx, MFCPL, FedPer, pFedMMA, MOON,
-FedMEKT, RCSR and RCSR-p (FedPer's global row: the mean over clients of their own
-models); ``:smoke`` is tiny (tests). Two rows beside FedAvg, one seed::
+FedMEKT, CreamFL, RCSR and RCSR-p (FedPer's global row: the mean over clients of their
+own models; CreamFL: GCA of the clients' public-set representations, kept as an EMA of
+decay 0.9, beside FedAvg of the adapters + heads); ``:smoke`` is tiny (tests). One row
+beside FedAvg, one seed::
 
   python -m experiments.main --config=experiments/rcsr.py:baselines \
-    "--config.methods=('fedavg','mfcpl','fedmekt')" --workdir=/tmp/rcsr_new
+    "--config.methods=('fedavg','creamfl')" --workdir=/tmp/rcsr_new
 
 (``methods`` is a tuple: its repr parses, a comma string does not).
 
@@ -72,12 +74,15 @@ def get_config(arg=None):
       "mfcpl_weight": 1.0,  # MFCPL: weight on CMPC + CMPR + CMA (kmeans_k prototypes)
       "mekt_weight": 1.0,  # FedMEKT: weight on the proxy-set KL
       "mekt_temperature": 3.0,  # FedMEKT's KL temperature (Sec. 5.1)
+      "creamfl_weight": 0.5,  # CreamFL's gamma on inter + intra contrast (the reference's)
+      "creamfl_ema": 0.9,  # CreamFL: EMA decay of the global public representations (Sec. 5.1)
     }
   )
   if arg == "smoke":
     # pFedMMA: its client-specific adapters go through the resume test (no new compile);
-    # MFCPL and FedMEKT: their state (class prototypes, proxy targets) too.
-    config.methods = ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt")
+    # MFCPL, FedMEKT and CreamFL: their state (class prototypes, proxy targets, global
+    # representations) too.
+    config.methods = ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt", "creamfl")
     config.rounds = 2
     config.eval_every = 1
     config.checkpoint_every = 1
@@ -123,6 +128,7 @@ def get_config(arg=None):
       "pfedmma",
       "moon",
       "fedmekt",
+      "creamfl",
       "rcsr",
       "rcsr_p",
     )

@@ -105,7 +105,7 @@ def step(setup):
   spec, frozen = setup[0], setup[3]
   return jax.jit(
     functools.partial(alg.round_step, spec, frozen),
-    static_argnames=("moon", "fedper", "mfcpl", "mekt"),
+    static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
   )
 
 
@@ -165,7 +165,7 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, ste
   for name in alg.METHODS:
     state = state0
     flags = alg.round_flags(name)
-    if flags["mekt"]:
+    if flags["mekt"] or flags["cream"]:
       flags["public"] = public
     for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
       state, metrics = step(alg.method(name), state, arrays, mask, mod, **flags)
@@ -311,7 +311,7 @@ def update_from(setup):
 def _looped_round(setup, update_from, meth, state, start_of, extra=None):
   """Round_step's sampling and client updates, one client at a time: ``(idx, news)``
   with ``news[j] = (adapters + heads, personal)`` of the j-th sampled client;
-  ``extra``: client_update's keyword arguments (MFCPL's, FedMEKT's)."""
+  ``extra``: client_update's keyword arguments (MFCPL's, FedMEKT's, CreamFL's)."""
   spec, _, _, _, arrays, mask, mod = setup
   t = state.round
   _, k_sample, k_clients = jax.random.split(jax.random.fold_in(state.rng, t), 3)
@@ -533,3 +533,48 @@ def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
     n[:, None, None] > 0, sums / np.maximum(n, 1)[:, None, None], off.public_embeddings
   )
   np.testing.assert_allclose(s2.public_embeddings, want, rtol=2e-4, atol=2e-6)
+
+
+def test_creamfl_weight_acts_gca_ema_and_single_modality_clients(
+  setup, state0, step, update_from, public
+):
+  """CreamFL: weight 0 is FedAvg (to rounding), its weight changes the clients' updates
+  (not only the loss's scale, which AdamW would undo); the round == a looped reference
+  from the global model, whose public representations are eq. (2)'s negatives; a
+  single-modality client's missing tower comes back bit-identical; the server's global
+  representations == GCA over the clients holding each modality (what a client does not
+  hold, here NaN, is never read), folded in by the EMA at 0.9."""
+  spec, glob, personal, frozen, arrays, mask, mod = setup
+  kw = {"cream": True, "public": public}
+  fedavg, _ = step(alg.method("fedavg"), state0, arrays, mask, mod)
+  off, _ = step(alg.method("creamfl", cream_mu=0.0), state0, arrays, mask, mod, **kw)
+  assert max(_changed(fedavg.params, off.params, "").values()) < 2e-6
+  meth = alg.method("creamfl")
+  assert float(meth.cream_mu) == 0.5 and spec.cream_decay == 0.9
+  s1, _ = step(meth, state0, arrays, mask, mod, **kw)
+  s4, _ = step(alg.method("creamfl", cream_mu=2.0), state0, arrays, mask, mod, **kw)
+  print("CreamFL vs FedAvg", max(_changed(s1.params, fedavg.params, "").values()))
+  assert max(_changed(s1.params, fedavg.params, "").values()) > 1e-4
+  assert max(_changed(s1.params, s4.params, "").values()) > 1e-4
+  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+  start = jnp.stack(embed(state0.params, personal, public["image"], public["caption"]))
+  np.testing.assert_allclose(state0.public_embeddings, start, rtol=1e-5, atol=1e-6)
+  extra = {"public": public, "cream_reps": (state0.public_embeddings, start)}
+  idx, news = _looped_round(setup, update_from, meth, state0, lambda k: state0.params, extra)
+  _assert_close(s1.params, _fedavg_of(state0, idx, news, mask), atol=2e-5)
+  singles = [j for j, k in enumerate(idx) if not MODALITY[k].all()]
+  assert singles  # 3 of the 4 clients are sampled: one of them holds one modality
+  for j in singles:
+    missing = "text_" if MODALITY[idx[j], 0] else "image_"
+    assert all(v == 0.0 for v in _changed(news[j][0], state0.params, missing).values())
+  reports = []
+  for j, k in enumerate(idx):
+    e = np.stack([np.asarray(x) for x in embed(*news[j], public["image"], public["caption"])])
+    e[~MODALITY[k]] = np.nan  # never sent
+    reports.append(e)
+  want, _ = alg.S.representation_ema(
+    np.stack(reports), MODALITY[idx], state0.public_embeddings, np.ones(len(idx), bool)
+  )
+  assert np.isfinite(np.asarray(s1.public_embeddings)).all()
+  np.testing.assert_allclose(s1.public_embeddings, want, rtol=2e-4, atol=2e-5)
+  assert not np.allclose(s1.public_embeddings, state0.public_embeddings)

@@ -1,5 +1,5 @@
-"""RCSR's Table 1 MFCPL and FedMEKT, pure parts: each client loss against numpy, the
-server's class-prototype and proxy-embedding averages against hand computations, and the
+"""RCSR's Table 1 MFCPL, FedMEKT and CreamFL, pure parts: each client loss against numpy, the
+server's class-prototype and proxy-embedding averages and GCA + EMA against hand computations, and the
 ledger's bytes."""
 
 import jax
@@ -163,3 +163,75 @@ def test_traffic_bytes_of_mfcpl_and_fedmekt():
     assert up == base[0] + held * 32 * d * 4 and down == base[1] + 2 * 32 * d * 4
   # The other methods do not depend on the number of held modalities.
   assert alg.traffic_bytes("fedavg", params, d, held=1, num_classes=10, public_size=32) == base
+
+
+def _gca_numpy(local, global_other, present):
+  """CreamFL eqs. (4)-(6) by hand: ``local [C, P, d]`` -> ``[P, d]`` (tau = 1)."""
+  c, p, _ = local.shape
+  agg = np.zeros(local.shape[1:])
+  for k in range(p):
+    scores = []
+    for j in range(c):
+      sims = global_other @ local[j, k]
+      negatives = np.log(np.exp(np.delete(sims, k)).sum())
+      scores.append(sims[k] - negatives)
+    e = np.where(present, np.exp(np.array(scores) - max(np.array(scores)[present])), 0.0)
+    agg[k] = (e / e.sum()) @ local[:, k]
+  return agg
+
+
+def test_representation_ema_by_hand():
+  """CreamFL's server: GCA per modality over the clients holding it (a single-modality
+  client's unsent rows, here NaN, never reach it), then g <- 0.9 g + 0.1 a; a modality
+  no sampled client holds keeps g."""
+  local = _unit(RNG.normal(size=(4, 2, 5, 3))).astype(np.float32)
+  modality = np.array([[1, 1], [1, 0], [0, 1], [1, 1]], bool)
+  local[1, 1] = np.nan  # the image-only client sent no text
+  local[2, 0] = np.nan  # the text-only client sent no image
+  previous = _unit(RNG.normal(size=(2, 5, 3))).astype(np.float32)
+  where = np.array([True, True, True, False])  # client 3 not sampled
+  got, weights = S.representation_ema(local, modality, previous, where, decay=0.9)
+  assert np.isfinite(np.asarray(got)).all()
+  for v in range(2):
+    present = modality[:, v] & where
+    rows = np.where(present[:, None, None], local[:, v], 0.0)
+    a = _gca_numpy(rows.astype(np.float64), previous[1 - v].astype(np.float64), present)
+    np.testing.assert_allclose(got[v], 0.9 * previous[v] + 0.1 * a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(weights[v])[~present], 0.0)
+  where = np.array([False, True, False, False])  # only the image-only client: no text
+  got, _ = S.representation_ema(local, modality, previous, where, decay=0.9)
+  np.testing.assert_array_equal(got[1], previous[1])
+  assert not np.allclose(got[0], previous[0])
+
+
+def test_cream_terms_by_modality():
+  """The client's CreamFL regulariser: eq. (1) against every global rep of the other
+  modality + eq. (2) (own global positive, start-of-round negative), mean over the public
+  set, summed over the held modalities."""
+  spec = alg.RcsrDef(graphdef=None, num_clients=2, per_round=1, rounds=1)
+  tau = spec.cream_temperature
+  z = _unit(RNG.normal(size=(2, 4, 5))).astype(np.float32)
+  g = _unit(RNG.normal(size=(2, 4, 5))).astype(np.float32)
+  start = _unit(RNG.normal(size=(2, 4, 5))).astype(np.float32)
+
+  def one(v):
+    logits = z[v] @ g[1 - v].T / tau
+    inter = np.log(np.exp(logits).sum(1)) - np.diag(logits)
+    pos, neg = (z[v] * g[v]).sum(1) / tau, (z[v] * start[v]).sum(1) / tau
+    intra = np.log(np.exp(pos) + np.exp(neg)) - pos
+    return inter.mean() + intra.mean()
+
+  for mod, want in (([1, 1], one(0) + one(1)), ([1, 0], one(0)), ([0, 1], one(1))):
+    got = alg.cream_terms(spec, z[0], z[1], g, start, jnp.asarray(mod, bool))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_traffic_bytes_of_creamfl():
+  """CreamFL: the adapters + heads both ways, plus the public-set representations of
+  each held modality up and both modalities' global representations down."""
+  params = {"w": jnp.zeros((10, 10)), "b": jnp.zeros(10)}
+  d = 8
+  base = alg.traffic_bytes("fedavg", params, d)
+  for held in (1, 2):
+    up, down = alg.traffic_bytes("creamfl", params, d, held=held, public_size=32)
+    assert up == base[0] + held * 32 * d * 4 and down == base[1] + 2 * 32 * d * 4

@@ -32,6 +32,14 @@ def test_validate_names_the_key(key, value, message):
     runner.validate(config)
 
 
+@pytest.mark.parametrize("ema", [1.0, -0.1])
+def test_validate_creamfl_ema(ema):
+  config = rcsr_config.get_config("smoke")
+  config.rcsr.creamfl_ema = ema
+  with pytest.raises(ConfigError, match=re.escape("rcsr.creamfl_ema must be in [0, 1)")):
+    runner.validate(config)
+
+
 def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   code, _, err = experiment_main.run(
     "experiments/rcsr.py:smoke",
@@ -48,9 +56,9 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   )
   assert code == 0, err[-3000:]
   assert "| rcsr_p" in out and "| pfedmma" in out and "| chance" in out
-  assert "| mfcpl" in out and "| fedmekt" in out
+  assert "| mfcpl" in out and "| fedmekt" in out and "| creamfl" in out
   results = json.loads((tmp_path / "run" / "results.json").read_text())
-  for m in ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt"):
+  for m in ("fedavg", "rcsr", "rcsr_p", "pfedmma", "mfcpl", "fedmekt", "creamfl"):
     final = results["methods"][m]
     assert len(final["own"]["R@1"]) == 4 and "std_R@1" in final["fairness"]
     assert abs(sum(final["q"]) - 1) < 1e-5
@@ -59,7 +67,8 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   assert ledger["pfedmma"] == ledger["fedavg"]  # the client-specific adapters stay home
   assert ledger["rcsr"]["up"] == ledger["fedavg"]["up"] + 7 * 4  # gamma_k, m_k, l_k
   # MFCPL: + per-class prototypes and counts of each held modality (kmeans_k = 3, d = 8);
-  # FedMEKT: + proxy-set embeddings of each held modality (public_size = 4).
+  # FedMEKT and CreamFL: + public-set representations of each held modality up, both
+  # modalities' down (public_size = 4).
   cfg = rcsr_config.get_config("smoke")
   c, d, p = cfg.kmeans_k, cfg.dim, cfg.public_size
   fedavg = ledger["fedavg"]
@@ -68,11 +77,12 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
     "down": fedavg["down"] + 2 * c * d * 4,
     "up_single": fedavg["up"] + c * (d + 1) * 4,
   }
-  assert ledger["fedmekt"] == {
-    "up": fedavg["up"] + 2 * p * d * 4,
-    "down": fedavg["down"] + 2 * p * d * 4,
-    "up_single": fedavg["up"] + p * d * 4,
-  }
+  for m in ("fedmekt", "creamfl"):
+    assert ledger[m] == {
+      "up": fedavg["up"] + 2 * p * d * 4,
+      "down": fedavg["down"] + 2 * p * d * 4,
+      "up_single": fedavg["up"] + p * d * 4,
+    }
   assert (tmp_path / "run" / "checkpoints").exists()
 
   # A crash after round 1's checkpoint: the rerun (same command, so the same devices and

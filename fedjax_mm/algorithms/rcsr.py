@@ -35,8 +35,8 @@ global model and of the client's previous local model (adapters + heads, kept pe
 in the state), on every modality the client holds; it needs those two extra forward
 passes, so it is a static switch of :func:`round_step` (its own compile), and it
 aggregates as FedAvg. A client never sampled before uses the initial model as its
-previous one. MFCPL and FedMEKT (below) are static switches too (``mfcpl=True``,
-``mekt=True``: their own compiles), so the other methods' programs are unchanged.
+previous one. MFCPL, FedMEKT and CreamFL (below) are static switches too (``mfcpl=True``,
+``mekt=True``, ``cream=True``: their own compiles), so the other methods' programs are unchanged.
 FedAvg / FedProx single-modality clients use L_anchor to the EMA prototypes (Sec.
 5.1), which therefore are kept for them too; their aggregation weights are
 ``|D_k| / sum |D_j|``.
@@ -110,6 +110,45 @@ heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAv
   or L_anchor) plus ``mfcpl_mu`` (default 1.0) x [mean over held modalities of CMPC +
   CMPR, plus CMA for paired clients], CMPC at tau = 0.07 (the model's contrastive
   temperature); (iv) adapters + heads are averaged by FedAvg.
+* **CreamFL** (Yu et al., "Multimodal Federated Learning via Contrastive Representation
+  Ensemble", ICLR 2023, ``../shared/papers/creamfl.txt``; the library's own CreamFL is
+  :mod:`fedjax_mm.algorithms.creamfl`). RCSR says only: "CreamFL (representation-level
+  ensemble distillation with contrastive regularization, EMA decay 0.9)" (Sec. 5.1),
+  "All baselines share the same frozen CLIP + adapter + projection head architecture",
+  and puts its traffic at 103% of FedAvg's (Table 4), i.e. parameters *and*
+  representations. Reused from the library: the local regulariser, eq. (1)'s inter-modal
+  and eq. (2)'s intra-modal contrast (:mod:`fedjax_mm.losses.creamfl`, temperature 0.5
+  as the reference code), and GCA, eqs. (4)-(6) (:func:`fedjax_mm.server.gca.gca`,
+  temperature 1). Adaptations (declared): (i) the public set is FedMEKT's proxy set
+  (``public_size`` pairs held by no client, outside the global test set); (ii) the
+  **server model** is RCSR's model itself: the server averages the clients' adapters +
+  heads by FedAvg (every Table 1 row shares this model, and the 103% counts parameters),
+  and keeps the **global representations** ``g [2, P, d]`` of the public set
+  (``RcsrState.public_embeddings``), which start as the initial model's (Alg. 1 l. 3:
+  ``f_s(P; w^0)``); (iii) **"EMA decay 0.9" is the EMA of the global representations**:
+  each round the server aggregates the sampled clients' representations per modality by
+  GCA (scored against ``g`` of the other modality) into ``a_v`` and sets ``g_v <- 0.9
+  g_v + 0.1 a_v`` (:func:`fedjax_mm.server.rcsr.representation_ema`). This replaces
+  CreamFL's eq. (7), whose server distils its own model into ``a`` and sends that
+  model's representations: with the representations themselves as the distilled
+  parameters, one step of size 0.1 on ``1/2 ||g - a||^2`` *is* that EMA, and RCSR's own
+  EMA of global prototypes has the same momentum (Table 3: "EMA momentum mu 0.9"; C.5:
+  "EMA: mu=0.9 for global prototypes"); RCSR's text names no other quantity it could
+  apply to (no row averages the FedAvg'd model over rounds). In round 1 ``g`` equals the
+  start-of-round model's representations, so eq. (2) has no gradient until ``g`` moves. (iv) **Single-modality clients** regularise and report only the modality
+  they hold (CreamFL's uni-modal clients do the same), their unsent rows are zeroed and
+  they are absent from that modality's GCA exactly as unsampled clients are
+  (``present = m_k[v]``); their missing tower's update is masked as in every method;
+  they still receive both modalities' ``g`` (eq. (1) needs the other's). A modality no
+  sampled client holds leaves its ``g_v`` as it was. (v) The local loss is eq. (5)'s
+  (L_NCE or L_anchor, Sec. 5.1) plus ``cream_mu`` (CreamFL's gamma, 0.5 as the
+  reference's ``--interintra_weight``) x the regulariser (:func:`cream_terms`: inter +
+  intra, each the mean over the public set, summed over held modalities as the
+  library's ``regulariser_objective``), taken at every local step over the whole
+  public set (as FedMEKT here; the library draws ``~P / S`` public samples a step).
+  (vi) Eq. (2)'s negative, the client's model at the start of the round, is the global
+  model for every client (all start from it), so it is computed once per round.
+
 * **Learnable placeholder** (Sec. C.4): the missing slot of ``s_k`` holds a learnt
   ``[2, d]`` vector shared by all clients (C.4: "learnable placeholders are shared across
   clients"), trained with the router by the same Adam step on L_R after warm-up. Filled
@@ -155,6 +194,7 @@ import optax
 from flax import nnx, struct
 
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
+from fedjax_mm.losses import creamfl as CF
 from fedjax_mm.losses import fedmekt as F
 from fedjax_mm.losses import mfcpl as M
 from fedjax_mm.losses import rcsr as L
@@ -324,6 +364,9 @@ class RcsrDef:
   num_classes: int = 10  # MFCPL's prototypes per modality (the K-Means pseudo-labels)
   mfcpl_temperature: float = L.TAU_NCE  # CMPC's tau
   mekt_temperature: float = F.TEMPERATURE  # FedMEKT's KL temperature (3.0)
+  cream_temperature: float = 0.5  # CreamFL's eqs. (1)-(2) (the reference's 0.5)
+  cream_gca_temperature: float = 1.0  # CreamFL's eq. (4) as printed
+  cream_decay: float = 0.9  # the EMA of the global representations (RCSR's Sec. 5.1)
 
   def merge(self, global_params, personal, frozen) -> RcsrModel:
     return nnx.merge(self.graphdef, global_params, personal, frozen)
@@ -347,6 +390,7 @@ class Method:
   fedper: Array  # bool: adapters + heads personal (needs round_step(fedper=True))
   mfcpl_mu: Array  # MFCPL's weight on CMPC + CMPR + CMA (needs round_step(mfcpl=True))
   mekt_mu: Array  # FedMEKT's weight on the proxy-set KL (needs round_step(mekt=True))
+  cream_mu: Array  # CreamFL's gamma on inter + intra contrast (needs round_step(cream=True))
 
 
 # name -> the switches it turns on. The last five are Table 5's and Sec. C.4's ablations:
@@ -371,6 +415,7 @@ _SWITCHES: dict[str, tuple[str, ...]] = {
   "rcsr_placeholder_fill": ("align", "router", "fair", "placeholder"),
   "mfcpl": ("mfcpl",),
   "fedmekt": ("mekt",),
+  "creamfl": ("cream",),
 }
 # Methods whose round needs the clients' previous local models (a separate compile).
 NEEDS_PREVIOUS = ("moon",)
@@ -379,6 +424,8 @@ PERSONAL_MODELS = ("fedper",)
 # MFCPL's class prototypes and FedMEKT's proxy-set distillation (a compile each).
 CLASS_PROTOTYPES = ("mfcpl",)
 PROXY_EMBEDDINGS = ("fedmekt",)
+# CreamFL's public-set representations, GCA and their EMA (a compile).
+PUBLIC_REPRESENTATIONS = ("creamfl",)
 METHODS = tuple(_SWITCHES)
 PFEDMMA_SCALE = 0.5  # RCSR's Sec. 5.1: "shared + client-specific components, scale 0.5"
 
@@ -390,6 +437,7 @@ def round_flags(name: str) -> dict[str, bool]:
     "fedper": name in PERSONAL_MODELS,
     "mfcpl": name in CLASS_PROTOTYPES,
     "mekt": name in PROXY_EMBEDDINGS,
+    "cream": name in PUBLIC_REPRESENTATIONS,
   }
 
 
@@ -402,6 +450,7 @@ def method(
   moon_mu: float = 1.0,
   mfcpl_mu: float = 1.0,
   mekt_mu: float = 1.0,
+  cream_mu: float = 0.5,
 ) -> Method:
   """The :class:`Method` of one of :data:`METHODS`."""
   if name not in _SWITCHES:
@@ -425,6 +474,7 @@ def method(
     fedper=b("fedper"),
     mfcpl_mu=f(mfcpl_mu if "mfcpl" in on else 0.0),
     mekt_mu=f(mekt_mu if "mekt" in on else 0.0),
+    cream_mu=f(cream_mu if "cream" in on else 0.0),
   )
 
 
@@ -452,7 +502,8 @@ class RcsrState:
   # FedPer's personal model)
   placeholder: Array  # [2, d] C.4's learnable placeholder of a missing prototype slot
   class_prototypes: Array  # [2, C, d] MFCPL's global per-class prototypes (0: no class yet)
-  public_embeddings: Array  # [2, P, d] FedMEKT's average of the clients' proxy embeddings
+  public_embeddings: Array  # [2, P, d] FedMEKT's average of the clients' proxy embeddings;
+  # CreamFL's global representations of the public set (the EMA of GCA's aggregates)
   method: Method  # the run's switches (evaluation applies its personal adapters / s_k)
 
 
@@ -567,6 +618,37 @@ def mfcpl_terms(spec, z_i, z_t, labels, mask, modality, class_prototypes):
   return specific + jnp.where(modality[0] & modality[1], cma, 0.0)
 
 
+def cream_terms(spec, z_i, z_t, global_reps, start_reps, modality):
+  """CreamFL's regulariser (eq. (3) without gamma) on the whole public set, ONE client.
+
+  Per held modality ``v`` (``o`` the other), the mean over the ``P`` public samples of
+  the inter-modal contrast of ``z_v`` against every global representation of ``o`` (eq.
+  (1)) plus the intra-modal contrast to the global representation of ``v``, the
+  client's start-of-round representation the negative (eq. (2)); summed over the held
+  modalities, as the library's CreamFL sums over a client's modalities.
+
+  Args:
+    spec: static settings (``cream_temperature``).
+    z_i, z_t: ``[P, d]`` the client's current representations of the public set.
+    global_reps: ``[2, P, d]`` the server's global representations (constants).
+    start_reps: ``[2, P, d]`` the client's model's at the start of the round (constants).
+    modality: ``bool [2]`` the client's modality mask.
+  """
+  g = jax.lax.stop_gradient(global_reps)
+  p = jax.lax.stop_gradient(start_reps)
+  index = jnp.arange(z_i.shape[0])
+  tau = spec.cream_temperature
+
+  def per_modality(z, v):
+    inter = CF.inter_modal_contrast(z, g[1 - v], index, temperature=tau).mean()
+    intra = CF.intra_modal_contrast(z, g[v], p[v], temperature=tau).mean()
+    return inter + intra
+
+  return jnp.where(modality[0], per_modality(z_i, 0), 0.0) + jnp.where(
+    modality[1], per_modality(z_t, 1), 0.0
+  )
+
+
 def client_objective(
   spec,
   frozen,
@@ -580,6 +662,7 @@ def client_objective(
   class_prototypes=None,
   public=None,
   public_targets=None,
+  cream_reps=None,
 ):
   """Eq. (5) (+ FedProx, + RCSR-p's personal loss, + MOON's) for ONE client as an Objective.
 
@@ -592,6 +675,9 @@ def client_objective(
   (the proxy set: ``image [P, S, S, C]``, ``caption [P, L]``) and ``public_targets``
   (``[2, P, d]``) turn on FedMEKT's distillation of the client's proxy embeddings
   towards the targets (weight ``meth.mekt_mu``), both over the modalities it holds.
+  ``public`` with ``cream_reps`` (``(global [2, P, d], start [2, P, d])``: the server's
+  global representations and the client's start-of-round model's, a constant) turns on
+  CreamFL's regulariser instead: :func:`cream_terms`, weight ``meth.cream_mu``.
   """
   cs = meth.client_scale
 
@@ -631,7 +717,12 @@ def client_objective(
     if class_prototypes is not None:
       terms = mfcpl_terms(spec, z_i, z_t, batch["label"], mask, modality, class_prototypes)
       loss = loss + meth.mfcpl_mu * terms
-    if public is not None:
+    if public is not None and cream_reps is not None:
+      z_pi = model.embed_image(public["image"], cs)
+      z_pt = model.embed_text(public["caption"], cs)
+      reg = cream_terms(spec, z_pi, z_pt, *cream_reps, modality)
+      loss = loss + meth.cream_mu * reg
+    elif public is not None:
       kd = lambda z, t: F.embedding_distillation(z, t, temperature=spec.mekt_temperature).mean()
       kd_i = kd(model.embed_image(public["image"], cs), public_targets[0])
       kd_t = kd(model.embed_text(public["caption"], cs), public_targets[1])
@@ -680,13 +771,15 @@ def client_update(
   class_prototypes: Array | None = None,
   public: dict[str, Array] | None = None,
   public_targets: Array | None = None,
+  cream_reps: tuple[Array, Array] | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
   """Local training of ONE client; returns ``(new global params, new personal, stats)``.
 
   ``previous``: the client's last local adapters + heads, for MOON (else None).
   ``class_prototypes``: MFCPL's global ``[2, C, d]`` (``arrays`` then hold ``label``);
   ``public`` + ``public_targets``: FedMEKT's proxy set and the server's average of its
-  embeddings (see :func:`client_objective`).
+  embeddings; ``public`` + ``cream_reps``: CreamFL's public set, global and
+  start-of-round representations (see :func:`client_objective`).
   """
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
   personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
@@ -709,6 +802,7 @@ def client_update(
     class_prototypes=class_prototypes,
     public=public,
     public_targets=public_targets,
+    cream_reps=cream_reps,
   )
   params = {"global": global_params, "personal": personal}
   params, _, _, stats = local_update(
@@ -838,6 +932,7 @@ def round_step(
   fedper: bool = False,
   mfcpl: bool = False,
   mekt: bool = False,
+  cream: bool = False,
   public: dict[str, Array] | None = None,
 ) -> tuple[RcsrState, dict[str, Array]]:
   """One round of Algorithm 1 for every method (its switches in ``meth``).
@@ -861,7 +956,12 @@ def round_step(
     mekt: static; FedMEKT: the clients distil their embeddings of ``public`` towards
       ``state.public_embeddings`` and report their own, which the server averages
       (:func:`fedjax_mm.server.rcsr.embedding_average`).
-    public: FedMEKT's proxy set, ``image [P, S, S, C]``, ``caption [P, L]``.
+    cream: static; CreamFL: the clients regularise towards ``state.public_embeddings``
+      (the global representations of ``public``) and report their own of the modalities
+      they hold, which the server aggregates by GCA and folds into the global ones by
+      an EMA (:func:`fedjax_mm.server.rcsr.representation_ema`).
+    public: FedMEKT's proxy set / CreamFL's public set, ``image [P, S, S, C]``,
+      ``caption [P, L]``.
 
   Returns:
     ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
@@ -886,13 +986,23 @@ def round_step(
   mapped = (c_personal, keys, c_arrays, c_mask, c_mod, s_k)
   if moon:
     mapped += (jax.tree.map(take, state.previous),)
-  if mekt and public is None:
-    raise ValueError("round_step(mekt=True) needs the proxy set: public={image, caption}.")
+  if (mekt or cream) and public is None:
+    raise ValueError("round_step(mekt=True / cream=True) needs public={image, caption}.")
+  if mekt and cream:
+    raise ValueError("round_step: mekt and cream are different methods.")
   extra = {}
   if mfcpl:
     extra["class_prototypes"] = state.class_prototypes
   if mekt:
     extra |= {"public": public, "public_targets": state.public_embeddings}
+  if cream:
+    # Eq. (2)'s negative: the client's model at the start of the round, which is the
+    # global model for every client (they all start from it), so computed once.
+    own = jax.tree.map(lambda x: x[0], state.personal)  # not read: no client scale
+    start_reps = jnp.stack(
+      client_embeddings(spec, frozen, state.params, own, public["image"], public["caption"])
+    )
+    extra |= {"public": public, "cream_reps": (state.public_embeddings, start_reps)}
   if fedper:
     # Each client's own adapters + heads are its starting point (mapped, not closed over).
     start = jax.tree.map(take, state.previous)
@@ -927,10 +1037,13 @@ def round_step(
     out = {"prototypes": _reported(z_i, z_t, mk, md, state.prototypes)}
     if mfcpl:
       out["classes"] = _class_report(spec, z_i, z_t, a["label"], mk, md)
-    if mekt:
+    if mekt or cream:
       out["public"] = jnp.stack(
         client_embeddings(spec, frozen, p, q, public["image"], public["caption"], meth.client_scale)
       )
+    if cream:
+      # A single-modality client sends nothing for the modality it does not hold.
+      out["public"] = jnp.where(md[:, None, None], out["public"], 0.0)
     return out
 
   reports = jax.vmap(report)(new_global, new_personal, c_arrays, c_mask, c_mod)
@@ -1009,6 +1122,15 @@ def round_step(
   public_embeddings = state.public_embeddings
   if mekt:
     public_embeddings = S.embedding_average(reports["public"], c_mod, public_embeddings, all_true)
+  if cream:
+    public_embeddings, _ = S.representation_ema(
+      reports["public"],
+      c_mod,
+      public_embeddings,
+      all_true,
+      decay=spec.cream_decay,
+      temperature=spec.cream_gca_temperature,
+    )
   personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
   last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
   previous = state.previous
@@ -1064,10 +1186,10 @@ def traffic_bytes(
   single-modality clients anchor to) and, for the router's methods, the rest of
   ``s_k``: ``gamma_k`` (4), ``m_k`` (2) and ``l_k`` (1) as float32. MFCPL adds its
   per-class prototypes and counts of each held modality (``held x C x (d + 1)``
-  float32), FedMEKT its proxy-set embeddings of each held modality (``held x P x d``
-  float32). Down: the adapters + heads (none for FedPer), the EMA prototypes, and
-  MFCPL's global class prototypes (``2 x C x d``) or FedMEKT's averaged proxy
-  embeddings (``2 x P x d``).
+  float32), FedMEKT and CreamFL their public-set representations of each held modality
+  (``held x P x d`` float32). Down: the adapters + heads (none for FedPer), the EMA
+  prototypes, and MFCPL's global class prototypes (``2 x C x d``), FedMEKT's averaged
+  proxy embeddings or CreamFL's global representations (``2 x P x d``).
   """
   on = _SWITCHES[name]
   model = 0 if "fedper" in on else sent_bytes(global_params)
@@ -1077,7 +1199,7 @@ def traffic_bytes(
   if "mfcpl" in on:
     up += held * num_classes * (dim + 1) * 4
     down += 2 * num_classes * dim * 4
-  if "mekt" in on:
+  if "mekt" in on or "cream" in on:
     up += held * public_size * dim * 4
     down += 2 * public_size * dim * 4
   return up, down

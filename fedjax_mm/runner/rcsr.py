@@ -13,8 +13,8 @@ held-out part keeps both modalities for every client (an evaluation oracle: retr
 needs pairs, Sec. 5.1 "per-client R@1") so per-client scores are the global (RCSR-p:
 personalised) model on the client's own held-out pairs. A shared test set of pairs
 from the same world gives the global Recall@K. FedMEKT's proxy (public) set is the
-next ``public_size`` pairs held by no client, after the shared test set (caption 0);
-MFCPL's classes are the K-Means pseudo-labels above (``train["label"]``).
+next ``public_size`` pairs held by no client, after the shared test set (caption 0),
+also CreamFL's public set; MFCPL's classes are the K-Means pseudo-labels above (``train["label"]``).
 
 Metrics: R@1/5/10 image->text and text->image, Rbar@K = (I2T + T2I) / 2; fairness: std
 of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = K / n.
@@ -65,6 +65,9 @@ def validate(config) -> None:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
   if not float(config.alpha) > 0:
     raise ConfigError(f"alpha must be > 0, got {config.alpha}.")
+  ema = float(config.rcsr.creamfl_ema)
+  if not (0.0 <= ema < 1.0):
+    raise ConfigError(f"rcsr.creamfl_ema must be in [0, 1), got {ema}.")
   for key in (
     "train_per_client",
     "test_per_client",
@@ -170,6 +173,7 @@ def build(config):
     client_map=config.client_map,
     num_classes=int(config.kmeans_k),
     mekt_temperature=r.mekt_temperature,
+    cream_decay=r.creamfl_ema,
   )
   return {
     "spec": spec,
@@ -212,6 +216,7 @@ def experiment(config) -> loop.Experiment:
       mu=0.1,
       mfcpl_mu=config.rcsr.mfcpl_weight,
       mekt_mu=config.rcsr.mekt_weight,
+      cream_mu=config.rcsr.creamfl_weight,
     )
     for m in methods
   }
@@ -228,7 +233,7 @@ def experiment(config) -> loop.Experiment:
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
 
-  def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False):
+  def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
     s, out = round_fn(
       meth,
       s,
@@ -239,6 +244,7 @@ def experiment(config) -> loop.Experiment:
       fedper=fedper,
       mfcpl=mfcpl,
       mekt=mekt,
+      cream=cream,
       public=setup["public"],
     )
     leaves = jax.tree.leaves(s.params)
@@ -247,9 +253,12 @@ def experiment(config) -> loop.Experiment:
 
   # One compiled round for every method (the method is a traced argument); MOON, which
   # also runs its clients' previous local models, FedPer, whose clients start from
-  # their own, MFCPL (class prototypes) and FedMEKT (the proxy set) have their own.
+  # their own, MFCPL (class prototypes), FedMEKT (the proxy set) and CreamFL (the public
+  # set's representations) have their own.
   round_jit = jax.jit(
-    round_and_check, donate_argnums=1, static_argnames=("moon", "fedper", "mfcpl", "mekt")
+    round_and_check,
+    donate_argnums=1,
+    static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
   )
 
   def step(m):
@@ -326,7 +335,7 @@ def experiment(config) -> loop.Experiment:
       rows.append((m, values))
     return rows
 
-  # (up, down) per method and number of held modalities (MFCPL and FedMEKT send per
+  # (up, down) per method and number of held modalities (MFCPL, FedMEKT, CreamFL send per
   # held modality).
   sent = {
     m: {

@@ -53,7 +53,14 @@ class-count weighted mean of the sampled clients' per-class prototypes of each
 modality, re-normalised; a (modality, class) no sampled client reported keeps its
 previous global prototype. FedMEKT (:func:`embedding_average`): the plain mean (the
 authors' ``1 / k``) of the proxy-set embeddings of the sampled clients that hold the
-modality; a modality no sampled client holds keeps its previous average.
+modality; a modality no sampled client holds keeps its previous average. CreamFL
+(:func:`representation_ema`): CreamFL's GCA (:func:`fedjax_mm.server.gca.gca`, eqs.
+4-6) of the sampled clients' public-set representations of each modality, scored
+against the global representations of the other modality, over the clients that hold
+the modality (a single-modality client sends nothing for the other one, and is absent
+from that modality's GCA as an unsampled client is); the global representations move
+to it by an EMA, ``g_v <- decay g_v + (1 - decay) a_v``, and a modality no sampled
+client holds keeps ``g_v``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_mm.losses.rcsr import cosine, normalize
+from fedjax_mm.server.gca import gca
 
 Array = jax.Array
 PyTree = Any
@@ -78,6 +86,7 @@ __all__ = [
   "fair_init",
   "fair_update",
   "fused_weights",
+  "representation_ema",
   "geometry",
   "init_router",
   "personal_strength",
@@ -398,3 +407,51 @@ def embedding_average(embeddings: Array, modality: Array, previous: Array, where
   total = held.sum(0)  # [2]
   mean = jnp.einsum("kv,kvpd->vpd", held, embeddings) / jnp.maximum(total, 1.0)[:, None, None]
   return jnp.where((total > 0)[:, None, None], mean, previous)
+
+
+def representation_ema(
+  local: Array,
+  modality: Array,
+  previous: Array,
+  where: Array,
+  *,
+  decay: float | Array = 0.9,
+  temperature: float | Array = 1.0,
+  chunk_size: int | None = None,
+) -> tuple[Array, Array]:
+  r"""CreamFL's server on RCSR's clients: GCA per modality, then an EMA of the global reps.
+
+  For modality ``v`` (``o`` the other), ``a_v = GCA(local[:, v], g_o)`` over the clients
+  with ``where_k & modality[k, v]`` (eqs. 4-6 of CreamFL; the others weigh 0), then
+  ``g_v <- decay g_v + (1 - decay) a_v``: one step of size ``1 - decay`` on
+  ``1/2 ||g_v - a_v||^2``, eq. (7)'s distillation with the representations themselves as
+  the distilled parameters. Both modalities are scored against the global
+  representations of the start of the round.
+
+  Args:
+    local: ``[K, 2, P, d]`` each client's image / text representations of the public
+      set (whatever stands in a modality the client does not hold is never read).
+    modality: ``bool [K, 2]`` the clients' modality masks.
+    previous: ``[2, P, d]`` the global representations ``g`` sent this round.
+    where: ``bool [K]`` sampled clients.
+    decay: the EMA's decay (RCSR's Sec. 5.1: "EMA decay 0.9").
+    temperature: GCA's eq. (4) temperature (1: the equation as printed).
+    chunk_size: GCA's anchors per chunk (``None``: automatic).
+
+  Returns:
+    ``(g [2, P, d], gca_weights [2, K, P])``; a modality no sampled client holds keeps
+    ``previous`` (and all its weights are 0).
+  """
+  present = modality & where[:, None]  # [K, 2]
+  new, weights = [], []
+  for v in range(2):
+    # A client absent from modality v: its (unsent) rows are zeroed, so nothing it did not
+    # send reaches the aggregate even through a NaN.
+    rows = jnp.where(present[:, v, None, None], local[:, v], 0.0)
+    agg, w = gca(
+      rows, previous[1 - v], present[:, v], temperature=temperature, chunk_size=chunk_size
+    )
+    moved = decay * previous[v] + (1.0 - decay) * agg
+    new.append(jnp.where(present[:, v].any(), moved, previous[v]))
+    weights.append(w)
+  return jnp.stack(new), jnp.stack(weights)
