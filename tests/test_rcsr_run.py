@@ -52,7 +52,7 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and "missing_rate" in lines[0], err[-2000:]
   code, out, err = experiment_main.run(
-    "experiments/rcsr.py:smoke", tmp_path / "run", cache_dir=main_cache, timeout=600
+    "experiments/rcsr.py:smoke", tmp_path / "run", cache_dir=main_cache, timeout=1200
   )
   assert code == 0, err[-3000:]
   assert "| rcsr_p" in out and "| pfedmma" in out and "| chance" in out
@@ -93,7 +93,7 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   shutil.rmtree(workdir / "checkpoints" / str(rounds))
   (workdir / "results.json").unlink()
   code, out, err = experiment_main.run(
-    "experiments/rcsr.py:smoke", workdir, cache_dir=main_cache, timeout=600
+    "experiments/rcsr.py:smoke", workdir, cache_dir=main_cache, timeout=1200
   )
   assert code == 0, err[-3000:]
   assert f"resumed at round {rounds - 1}" in out
