@@ -295,3 +295,32 @@ def test_dro_source_code_uses_last_rounds_losses_on_a_fixed_tenth():
   assert not np.allclose(p1["weights"], m1["weights"])  # the paper's: this round's losses
   with pytest.raises(ValueError, match="dro_source"):
     rgb.RgbConfig(dro_source="authors")
+
+
+def test_centralised_trains_one_model_on_the_union():
+  """The "Centralized" row: one model (no client axis) trained for K * stage1_steps steps on
+  the pooled pairs, exactly stage1_client on the union; changing any one client's data
+  changes the result (it sees every client's pairs)."""
+  alg, state, arrays, mask = _tiny("centralised")
+  round_fn = jax.jit(alg.round)
+  new, metrics = round_fn(state, arrays, mask)
+  for a, b in zip(jax.tree.leaves(new.aligner), jax.tree.leaves(state.aligner), strict=True):
+    assert a.shape == b.shape  # one model, not K
+  np.testing.assert_allclose(metrics["weights"], np.array([8, 6, 5]) / 19, rtol=1e-6)
+  assert rgb.stage_traffic(alg, state)["stage1"] == 0
+  # Directly: stage 1 (L_task) on the flattened union with K * stage1_steps steps.
+  k1 = jax.random.split(jax.random.fold_in(state.rng, 0), 3)[1]
+  union = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), arrays)
+  _, want, _ = jax.jit(alg.stage1_client, static_argnums=6)(
+    state.encoder, state.aligner, state.teacher, k1, union, mask.reshape(-1), 3 * 2
+  )
+  for a, b in zip(jax.tree.leaves(new.aligner), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  base = jax.tree.leaves(new.aligner)
+  for c in range(3):
+    images = arrays["images"].at[c].multiply(-1.0)
+    changed, _ = round_fn(state, arrays | {"images": images}, mask)
+    diff = [
+      np.abs(a - b).max() for a, b in zip(jax.tree.leaves(changed.aligner), base, strict=True)
+    ]
+    assert max(diff) > 1e-6, c

@@ -70,6 +70,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   reference = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
   assert "| fedrgb" in out and "| local" in out and "| chance" in out
+  assert "| centralised" in out
   k = config.num_clients
   for m in config.methods:
     final = reference["methods"][m]
@@ -102,6 +103,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   traffic = reference["traffic_bytes"]
   assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
   assert traffic["fedrgb"]["stage2"] > 0
+  assert traffic["centralised"]["stage1"] == traffic["centralised"]["stage2"] == 0
   assert sum(reference["client_categories"]) == k * (
     config.train_per_client + config.test_per_client
   )

@@ -75,6 +75,17 @@ by ``w`` like the aligners, which the authors' code does in every run),
 eq. (1)), and ``rho=0`` (uniform DRO weights: ours). ``method="local"`` is the paper's "Local" row: every
 client trains its own copy on ``L_task`` for ``stage1_steps`` steps a round and
 nothing is communicated; its state holds the ``K`` models stacked.
+
+``method="centralised"`` is the paper's upper bound, "the centralized pre-trained model
+(Global)" (Sec. 5.2; Table 2's "Centralized"; App. C.3 swaps the two names: "centralized
+training (Local), and decentralized training (Global)"): ONE model (same encoders,
+aligners and ``L_task``; no guidance, no DRO, no teacher) trained on the union of the
+clients' training pairs. Budget: the same number of samples seen and of AdamW steps as
+FedAvg's round summed over clients, i.e. ``K * stage1_steps`` steps of ``batch_size``
+pairs a round, drawn with replacement from the union (so each client's data counts in
+proportion to its size, as FedAvg's data-size weights); the batch stays ``batch_size``,
+so the contrastive loss sees as many negatives as a client's does. Optimiser state fresh
+every round, as the federated rows'. Nothing is communicated.
 """
 
 from __future__ import annotations
@@ -96,7 +107,7 @@ from fedjax_mm.models.user_model import l2_normalize
 PyTree = Any
 Array = jax.Array
 
-METHODS = ("fedrgb", "fedavg", "local")
+METHODS = ("fedrgb", "fedavg", "local", "centralised")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
@@ -351,6 +362,17 @@ class FedRGB:
       )
       new = state.replace(round=state.round + 1, encoder=encs, aligner=aligns, teacher=aligns)
       return new, {"stage1_loss": loss1, "weights": state.weights}
+    if cfg.method == "centralised":  # one model, the union of the clients' pairs
+      union = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), arrays)
+      steps = k * cfg.stage1_steps  # FedAvg's steps (and samples) summed over clients
+      encoder, aligner, loss1 = self.stage1_client(
+        state.encoder, state.aligner, state.teacher, k1, union, mask.reshape(-1), steps
+      )
+      weights = data_size_weights(mask)  # each client's share of the union
+      new = state.replace(
+        round=state.round + 1, encoder=encoder, aligner=aligner, teacher=aligner, weights=weights
+      )
+      return new, {"stage1_loss": loss1, "weights": weights}
     if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
       weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
     elif cfg.method == "fedrgb":
@@ -436,6 +458,8 @@ def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:
   if alg.config.method == "local":  # stacked private models; nothing is sent
     full = size(state.encoder) + size(state.aligner)
     return {"stage1": 0, "stage2": 0, "full_model": full // state.weights.shape[0]}
+  if alg.config.method == "centralised":  # one model on pooled data; no rounds of traffic
+    return {"stage1": 0, "stage2": 0, "full_model": size(state.encoder) + size(state.aligner)}
   stage1 = size(state.aligner) + (size(state.encoder) if alg.config.train_encoders else 0)
   trains_teacher = alg.config.method == "fedrgb" and alg.config.teacher == "dro"
   stage2 = size(state.teacher) if trains_teacher else 0

@@ -26,7 +26,9 @@ model (Local: the client's own model):
   domain, Table 5), for Local the mean over the clients' models.
 
 Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
-Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Table 4,
+Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local``, ``centralised`` (one model on
+the union of the clients' training pairs, FedAvg's steps summed over clients: the paper's
+"Centralized" upper bound; no traffic) and the ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
@@ -47,8 +49,7 @@ none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
   accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
   the test set and the initial model (World-CLIP encoders, untrained aligners).
 
-Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the sweeps,
-segmentation fine-tuning.
+Not built yet (issue 19): FedEMA / FedX / FedMAE, the sweeps, segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ ROWS = {
   "fedrgb": ("fedrgb", {}),
   "fedavg": ("fedavg", {}),
   "local": ("local", {}),
+  "centralised": ("centralised", {}),  # the paper's "Centralized" / "Global" upper bound
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
@@ -506,7 +508,7 @@ def experiment(config) -> loop.Experiment:
   def traffic(m, out):
     del out
     t = traffic_bytes[m]
-    if ROWS[m][0] == "local":
+    if ROWS[m][0] in ("local", "centralised"):  # nothing is sent
       return None
     up = np.full(k, t["stage1"] + t["stage2"], np.int64)
     down = np.full(k, t["stage1"], np.int64)  # the new global aligners (and encoders if trained)
