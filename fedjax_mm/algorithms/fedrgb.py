@@ -86,6 +86,32 @@ pairs a round, drawn with replacement from the union (so each client's data coun
 proportion to its size, as FedAvg's data-size weights); the batch stays ``batch_size``,
 so the contrastive loss sees as many negatives as a client's does. Optimiser state fresh
 every round, as the federated rows'. Nothing is communicated.
+
+``method="fedema"`` is the paper's adapted FedEMA (Zhuang et al., ICLR 2022; Sec. 5.1:
+"we adapted FedMAE ..., FedEMA ..., and FedX ... for comparison"; "To enable uni-modal
+self-supervised learning baselines to be applied to our setting, we employ the image-text
+contrastive loss with the same hyperparameters to our method for fairness"). FedEMA's
+contribution is its model update, :mod:`fedjax_mm.server.fedema`: at the start of each
+round client ``k`` starts from ``mu W_k + (1 - mu) W_g`` with ``mu = min(lambda_k ||W_g -
+W_k||, 1)`` and ``lambda_k = ema_tau / ||W_g - W_k||`` the first time its divergence is
+positive (the authors' autoscaler, target 0.8 by default). Adaptations:
+
+* **Local loss**: ``L_task`` (the image-text contrastive loss, tau 0.07) for
+  ``stage1_steps`` AdamW steps, as FedAvg, in place of BYOL's; so there is no target
+  network (BYOL's EMA target exists for its loss) and no predictor (FedEMA's
+  divergence-aware predictor update has nothing to act on).
+* **What is EMA-updated and measured**: the client's trained parameters, the aligners
+  (+ the encoders with ``train_encoders``), the analogue of FedEMA's online network. The
+  divergence is taken over the same parameters (FedEMA measures the encoder; here the
+  encoders are frozen by default, and a divergence of frozen weights would be 0 and give
+  FedAvg).
+* **Divergence** as the paper writes it, ``||W_g^r - W_k^{r-1}||`` over the whole
+  parameter vector, not the code's mean per-layer distance of conv weights between the
+  start and end of the last local training.
+* **Server**: FedAvg's data-size-weighted average of the clients' trained models (the
+  global model that is evaluated); every client takes part in every round, so every
+  client keeps its model of the last round (``RgbState.clients``, ``scaler``). Traffic as
+  FedAvg's (Table 9 gives FedEMA FedAvg's communication).
 """
 
 from __future__ import annotations
@@ -103,11 +129,12 @@ from fedjax_mm.core.client import map_clients
 from fedjax_mm.models import layers
 from fedjax_mm.models import pretrained as pretrained_lib
 from fedjax_mm.models.user_model import l2_normalize
+from fedjax_mm.server import fedema
 
 PyTree = Any
 Array = jax.Array
 
-METHODS = ("fedrgb", "fedavg", "local", "centralised")
+METHODS = ("fedrgb", "fedavg", "local", "centralised", "fedema")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
@@ -201,6 +228,7 @@ class RgbConfig:
   learning_rate: float = 1e-4
   weight_decay: float = 0.05
   client_map: str = "auto"
+  ema_tau: float = fedema.AUTOSCALER_TARGET  # FedEMA's autoscaler target (its first mu)
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -215,6 +243,8 @@ class RgbConfig:
       raise ValueError(f"guide must be one of {losses.fedrgb.GUIDES}, got {self.guide!r}.")
     if self.rho < 0 or self.gamma < 0:
       raise ValueError(f"rho and gamma must be >= 0, got rho={self.rho}, gamma={self.gamma}.")
+    if not self.ema_tau > 0:
+      raise ValueError(f"ema_tau must be > 0, got {self.ema_tau}.")
 
 
 @struct.dataclass
@@ -223,7 +253,9 @@ class RgbState:
 
   ``dro_losses`` ``[K]``: with ``dro_source="code"``, the losses the next round's weights
   are computed from (zeros before the first round, so its weights stay uniform); unused
-  otherwise.
+  otherwise. FedEMA only (None otherwise): ``clients``, each client's trained parameters
+  of the last round (``{"encoder", "aligner"}`` stacked ``[K, ...]``; the encoder ``{}``
+  when frozen), and ``scaler`` ``[K]``, each client's ``lambda_k`` (0 until set).
   """
 
   round: Array
@@ -233,6 +265,8 @@ class RgbState:
   teacher: PyTree
   weights: Array
   dro_losses: Array
+  clients: PyTree = None
+  scaler: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +370,14 @@ class FedRGB:
     if self.config.method == "local":  # K private copies, stacked
       stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * num_clients), t)
       encoder, aligner = stack(encoder), stack(aligner)
+    clients = scaler = None
+    if self.config.method == "fedema":  # every client starts from the global model
+      trained = {"encoder": encoder if self.config.train_encoders else {}, "aligner": aligner}
+      clients = jax.tree.map(lambda x: jnp.stack([x] * num_clients), trained)
+      scaler = jnp.zeros((num_clients,), jnp.float32)
     return RgbState(
+      clients=clients,
+      scaler=scaler,
       round=jnp.zeros((), jnp.int32),
       rng=key,
       encoder=encoder,
@@ -373,6 +414,8 @@ class FedRGB:
         round=state.round + 1, encoder=encoder, aligner=aligner, teacher=aligner, weights=weights
       )
       return new, {"stage1_loss": loss1, "weights": weights}
+    if cfg.method == "fedema":
+      return self._fedema_round(state, arrays, mask, k1)
     if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
       weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
     elif cfg.method == "fedrgb":
@@ -428,6 +471,36 @@ class FedRGB:
       dro_losses=dro_losses,
     )
     return new, metrics
+
+  def _fedema_round(self, state: RgbState, arrays, mask, key):
+    """FedEMA: each client starts from the EMA of the global and its own last model."""
+    cfg = self.config
+    k = mask.shape[0]
+    trained = {"encoder": state.encoder if cfg.train_encoders else {}, "aligner": state.aligner}
+    start, mu, scaler, div = jax.vmap(
+      lambda local, lam: fedema.fedema_start(trained, local, lam, tau=cfg.ema_tau)
+    )(state.clients, state.scaler)
+
+    def client(st, kk, a, m):
+      enc = st["encoder"] if cfg.train_encoders else state.encoder
+      return self.stage1_client(enc, st["aligner"], state.teacher, kk, a, m)
+
+    encs, aligns, loss1 = map_clients(
+      client, (start, jax.random.split(key, k), arrays, mask), cfg.client_map
+    )
+    weights = data_size_weights(mask)  # FedAvg's aggregation
+    encoder, aligner = aggregate((encs, aligns), weights)
+    clients = {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns}
+    new = state.replace(
+      round=state.round + 1,
+      encoder=encoder,
+      aligner=aligner,
+      teacher=aligner,
+      weights=weights,
+      clients=clients,
+      scaler=scaler,
+    )
+    return new, {"stage1_loss": loss1, "weights": weights, "ema_mu": mu, "divergence": div}
 
 
 def dro_subset(mask: Array) -> Array:

@@ -28,7 +28,10 @@ model (Local: the client's own model):
 Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
 Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local``, ``centralised`` (one model on
 the union of the clients' training pairs, FedAvg's steps summed over clients: the paper's
-"Centralized" upper bound; no traffic) and the ablations of Table 4,
+"Centralized" upper bound; no traffic), ``fedema`` (FedEMA's divergence-aware EMA of the
+global and each client's last model at the start of a round, local loss ``L_task``, as the
+paper adapts its self-supervised baselines; :mod:`fedjax_mm.server.fedema`) and the
+ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
@@ -49,7 +52,7 @@ none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
   accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
   the test set and the initial model (World-CLIP encoders, untrained aligners).
 
-Not built yet (issue 19): FedEMA / FedX / FedMAE, the sweeps, segmentation fine-tuning.
+Not built yet (issue 19): FedX / FedMAE, the sweeps, segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ ROWS = {
   "fedavg": ("fedavg", {}),
   "local": ("local", {}),
   "centralised": ("centralised", {}),  # the paper's "Centralized" / "Global" upper bound
+  "fedema": ("fedema", {}),  # FedEMA (Zhuang et al. 2022) on L_task, as the paper adapts it
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
@@ -128,6 +132,9 @@ def validate(config) -> None:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
   if f.dro_source not in alg.DRO_SOURCES:
     raise ConfigError(f"fedrgb.dro_source must be one of {list(alg.DRO_SOURCES)}.")
+  tau = float(config.fedema_tau)
+  if not (np.isfinite(tau) and tau > 0):
+    raise ConfigError(f"fedema_tau must be a finite number > 0, got {config.fedema_tau}.")
   lr = float(config.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
@@ -237,6 +244,7 @@ def build(config) -> dict[str, Any]:
     learning_rate=config.learning_rate,
     weight_decay=config.weight_decay,
     client_map=config.client_map,
+    ema_tau=config.fedema_tau,
   )
   # The model is built (and its World-CLIP weights read) once: every row starts from the
   # same encoders, aligners and key, hence the same client draws.
@@ -491,7 +499,7 @@ def experiment(config) -> loop.Experiment:
     for m in methods:
       out = outs[m]
       values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
-      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next"):
+      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next", "ema_mu"):
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
