@@ -392,3 +392,23 @@ def test_fedema_rounds_keep_client_models_and_set_the_scaler():
   )
   with pytest.raises(ValueError, match="ema_tau"):
     rgb.RgbConfig(method="fedema", ema_tau=0.0)
+
+
+def test_fedema_code_divergence_is_the_last_trainings_drift():
+  """ema_divergence="code": mu from the mean per-matrix L2 drift of the client's last
+  training (rank >= 2 leaves), lambda set from the first: round 3's mu = tau d_2 / d_1."""
+  g, w = _toy_trees(2)
+  want = np.linalg.norm(g["a"] - w["a"])  # the only rank-2 leaf
+  np.testing.assert_allclose(fedema.layer_divergence(g, w), want, rtol=1e-6)
+  alg, state, arrays, mask = _tiny("fedema", ema_divergence="code")
+  round_fn = jax.jit(alg.round)
+  s1, m1 = round_fn(state, arrays, mask)
+  s2, m2 = round_fn(s1, arrays, mask)
+  s3, m3 = round_fn(s2, arrays, mask)
+  np.testing.assert_array_equal(m1["ema_mu"], np.zeros(3))
+  np.testing.assert_allclose(m2["divergence"], s1.drift, rtol=1e-6)
+  np.testing.assert_allclose(m2["ema_mu"], np.full(3, alg.config.ema_tau), rtol=1e-5)
+  want_mu = np.minimum(alg.config.ema_tau * np.asarray(s2.drift) / np.asarray(s1.drift), 1)
+  np.testing.assert_allclose(m3["ema_mu"], want_mu, rtol=1e-5)
+  with pytest.raises(ValueError, match="ema_divergence"):
+    rgb.RgbConfig(method="fedema", ema_divergence="layer")

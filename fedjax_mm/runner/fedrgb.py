@@ -30,7 +30,8 @@ Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local``, ``centralised`` (one mod
 the union of the clients' training pairs, FedAvg's steps summed over clients: the paper's
 "Centralized" upper bound; no traffic), ``fedema`` (FedEMA's divergence-aware EMA of the
 global and each client's last model at the start of a round, local loss ``L_task``, as the
-paper adapts its self-supervised baselines; :mod:`fedjax_mm.server.fedema`) and the
+paper adapts its self-supervised baselines; :mod:`fedjax_mm.server.fedema`),
+``fedema_code`` (the same with the authors' code's divergence) and the
 ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
@@ -83,6 +84,8 @@ ROWS = {
   "local": ("local", {}),
   "centralised": ("centralised", {}),  # the paper's "Centralized" / "Global" upper bound
   "fedema": ("fedema", {}),  # FedEMA (Zhuang et al. 2022) on L_task, as the paper adapts it
+  # FedEMA with the authors' code's divergence (the drift of the client's last training).
+  "fedema_code": ("fedema", {"ema_divergence": "code"}),
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
