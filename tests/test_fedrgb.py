@@ -295,3 +295,120 @@ def test_dro_source_code_uses_last_rounds_losses_on_a_fixed_tenth():
   assert not np.allclose(p1["weights"], m1["weights"])  # the paper's: this round's losses
   with pytest.raises(ValueError, match="dro_source"):
     rgb.RgbConfig(dro_source="authors")
+
+
+def test_centralised_trains_one_model_on_the_union():
+  """The "Centralized" row: one model (no client axis) trained for K * stage1_steps steps on
+  the pooled pairs, exactly stage1_client on the union; changing any one client's data
+  changes the result (it sees every client's pairs)."""
+  alg, state, arrays, mask = _tiny("centralised")
+  round_fn = jax.jit(alg.round)
+  new, metrics = round_fn(state, arrays, mask)
+  for a, b in zip(jax.tree.leaves(new.aligner), jax.tree.leaves(state.aligner), strict=True):
+    assert a.shape == b.shape  # one model, not K
+  np.testing.assert_allclose(metrics["weights"], np.array([8, 6, 5]) / 19, rtol=1e-6)
+  assert rgb.stage_traffic(alg, state)["stage1"] == 0
+  # Directly: stage 1 (L_task) on the flattened union with K * stage1_steps steps.
+  k1 = jax.random.split(jax.random.fold_in(state.rng, 0), 3)[1]
+  union = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), arrays)
+  _, want, _ = jax.jit(alg.stage1_client, static_argnums=6)(
+    state.encoder, state.aligner, state.teacher, k1, union, mask.reshape(-1), 3 * 2
+  )
+  for a, b in zip(jax.tree.leaves(new.aligner), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  base = jax.tree.leaves(new.aligner)
+  for c in range(3):
+    images = arrays["images"].at[c].multiply(-1.0)
+    changed, _ = round_fn(state, arrays | {"images": images}, mask)
+    diff = [
+      np.abs(a - b).max() for a, b in zip(jax.tree.leaves(changed.aligner), base, strict=True)
+    ]
+    assert max(diff) > 1e-6, c
+
+
+# -- FedEMA's divergence-aware EMA (server.fedema) --------------------------------
+
+from fedjax_mm.server import fedema  # noqa: E402
+
+
+def _toy_trees(seed):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  tree = lambda: {"a": f32(3, 2), "b": {"c": f32(4)}}
+  return tree(), tree()
+
+
+def test_fedema_start_matches_numpy():
+  """mu = min(lambda ||W_g - W_k||, 1) with lambda = tau / ||W_g - W_k|| the first time,
+  then kept; W_k <- mu W_k + (1 - mu) W_g, against a hand computation."""
+  g, w = _toy_trees(0)
+  flat = lambda t: np.concatenate([t["a"].ravel(), t["b"]["c"]])
+  d = np.linalg.norm(flat(g) - flat(w))
+  start, mu, lam, div = fedema.fedema_start(g, w, jnp.float32(0.0), tau=0.8)
+  np.testing.assert_allclose(div, d, rtol=1e-6)
+  np.testing.assert_allclose(lam, 0.8 / d, rtol=1e-6)
+  np.testing.assert_allclose(mu, 0.8, rtol=1e-6)  # the first mu is the target
+  np.testing.assert_allclose(flat(start), 0.8 * flat(w) + 0.2 * flat(g), rtol=1e-6)
+  # A set scaler is kept: mu = lambda d.
+  start, mu, lam, _ = fedema.fedema_start(g, w, jnp.float32(0.3 / d), tau=0.8)
+  np.testing.assert_allclose([mu, lam], [0.3, 0.3 / d], rtol=1e-5)
+  np.testing.assert_allclose(flat(start), 0.3 * flat(w) + 0.7 * flat(g), rtol=1e-5)
+  # Clipped at 1: a client that drifted far keeps its own model.
+  start, mu, lam, _ = fedema.fedema_start(g, w, jnp.float32(5.0 / d), tau=0.8)
+  assert float(mu) == 1.0 and float(lam) == pytest.approx(5.0 / d, rel=1e-6)
+  np.testing.assert_allclose(flat(start), flat(w), rtol=1e-6)
+
+
+def test_fedema_client_equal_to_global_is_unchanged():
+  g, _ = _toy_trees(1)
+  for lam in (0.0, 2.0):  # unset (stays unset: no divergence to scale by) and set
+    start, mu, new_lam, div = fedema.fedema_start(g, g, jnp.float32(lam))
+    assert float(div) == 0.0 and float(mu) == 0.0 and float(new_lam) == lam
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(g), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_fedema_rounds_keep_client_models_and_set_the_scaler():
+  """Round 1: every client starts from the global model (mu 0, scaler unset); round 2:
+  the scalers are set so that mu = ema_tau, and client k starts from the EMA of its
+  round-1 model and the round-1 global model."""
+  alg, state, arrays, mask = _tiny("fedema")
+  round_fn = jax.jit(alg.round)
+  s1, m1 = round_fn(state, arrays, mask)
+  np.testing.assert_array_equal(m1["ema_mu"], np.zeros(3))
+  np.testing.assert_array_equal(s1.scaler, np.zeros(3))
+  np.testing.assert_allclose(m1["weights"], np.array([8, 6, 5]) / 19, rtol=1e-6)
+  # The global model is the data-size-weighted mean of the stored client models.
+  mean = rgb.aggregate(s1.clients["aligner"], m1["weights"])
+  for a, b in zip(jax.tree.leaves(s1.aligner), jax.tree.leaves(mean), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  s2, m2 = round_fn(s1, arrays, mask)
+  np.testing.assert_allclose(m2["ema_mu"], np.full(3, alg.config.ema_tau), rtol=1e-5)
+  np.testing.assert_allclose(s2.scaler, alg.config.ema_tau / m2["divergence"], rtol=1e-5)
+  assert np.all(np.asarray(m2["divergence"]) > 0)
+  assert rgb.stage_traffic(alg, state) == rgb.stage_traffic(
+    rgb.FedRGB(dataclasses.replace(alg.config, method="fedavg"), alg.encoder_def, alg.aligner_def),
+    state,
+  )
+  with pytest.raises(ValueError, match="ema_tau"):
+    rgb.RgbConfig(method="fedema", ema_tau=0.0)
+
+
+def test_fedema_code_divergence_is_the_last_trainings_drift():
+  """ema_divergence="code": mu from the mean per-matrix L2 drift of the client's last
+  training (rank >= 2 leaves), lambda set from the first: round 3's mu = tau d_2 / d_1."""
+  g, w = _toy_trees(2)
+  want = np.linalg.norm(g["a"] - w["a"])  # the only rank-2 leaf
+  np.testing.assert_allclose(fedema.layer_divergence(g, w), want, rtol=1e-6)
+  alg, state, arrays, mask = _tiny("fedema", ema_divergence="code")
+  round_fn = jax.jit(alg.round)
+  s1, m1 = round_fn(state, arrays, mask)
+  s2, m2 = round_fn(s1, arrays, mask)
+  s3, m3 = round_fn(s2, arrays, mask)
+  np.testing.assert_array_equal(m1["ema_mu"], np.zeros(3))
+  np.testing.assert_allclose(m2["divergence"], s1.drift, rtol=1e-6)
+  np.testing.assert_allclose(m2["ema_mu"], np.full(3, alg.config.ema_tau), rtol=1e-5)
+  want_mu = np.minimum(alg.config.ema_tau * np.asarray(s2.drift) / np.asarray(s1.drift), 1)
+  np.testing.assert_allclose(m3["ema_mu"], want_mu, rtol=1e-5)
+  with pytest.raises(ValueError, match="ema_divergence"):
+    rgb.RgbConfig(method="fedema", ema_divergence="layer")

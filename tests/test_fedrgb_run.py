@@ -22,6 +22,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedrgb.dro_source", "authors", "fedrgb.dro_source must be one of ['paper', 'code']"),
     ("methods", ("fedrgb", "fedx"), "unknown ['fedx']"),
     ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
+    ("fedema_tau", 0.0, "fedema_tau must be a finite number > 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
     ("text_encoder", "vit_t", "text_encoder: unknown text encoder 'vit_t'"),
@@ -70,6 +71,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   reference = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
   assert "| fedrgb" in out and "| local" in out and "| chance" in out
+  assert "| centralised" in out and "| fedema" in out
   k = config.num_clients
   for m in config.methods:
     final = reference["methods"][m]
@@ -102,6 +104,8 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   traffic = reference["traffic_bytes"]
   assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
   assert traffic["fedrgb"]["stage2"] > 0
+  assert traffic["centralised"]["stage1"] == traffic["centralised"]["stage2"] == 0
+  assert traffic["fedema"] == traffic["fedavg"]
   assert sum(reference["client_categories"]) == k * (
     config.train_per_client + config.test_per_client
   )

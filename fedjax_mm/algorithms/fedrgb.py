@@ -75,6 +75,47 @@ by ``w`` like the aligners, which the authors' code does in every run),
 eq. (1)), and ``rho=0`` (uniform DRO weights: ours). ``method="local"`` is the paper's "Local" row: every
 client trains its own copy on ``L_task`` for ``stage1_steps`` steps a round and
 nothing is communicated; its state holds the ``K`` models stacked.
+
+``method="centralised"`` is the paper's upper bound, "the centralized pre-trained model
+(Global)" (Sec. 5.2; Table 2's "Centralized"; App. C.3 swaps the two names: "centralized
+training (Local), and decentralized training (Global)"): ONE model (same encoders,
+aligners and ``L_task``; no guidance, no DRO, no teacher) trained on the union of the
+clients' training pairs. Budget: the same number of samples seen and of AdamW steps as
+FedAvg's round summed over clients, i.e. ``K * stage1_steps`` steps of ``batch_size``
+pairs a round, drawn with replacement from the union (so each client's data counts in
+proportion to its size, as FedAvg's data-size weights); the batch stays ``batch_size``,
+so the contrastive loss sees as many negatives as a client's does. Optimiser state fresh
+every round, as the federated rows'. Nothing is communicated.
+
+``method="fedema"`` is the paper's adapted FedEMA (Zhuang et al., ICLR 2022; Sec. 5.1:
+"we adapted FedMAE ..., FedEMA ..., and FedX ... for comparison"; "To enable uni-modal
+self-supervised learning baselines to be applied to our setting, we employ the image-text
+contrastive loss with the same hyperparameters to our method for fairness"). FedEMA's
+contribution is its model update, :mod:`fedjax_mm.server.fedema`: at the start of each
+round client ``k`` starts from ``mu W_k + (1 - mu) W_g`` with ``mu = min(lambda_k ||W_g -
+W_k||, 1)`` and ``lambda_k = ema_tau / ||W_g - W_k||`` the first time its divergence is
+positive (the authors' autoscaler, target 0.8 by default). Adaptations:
+
+* **Local loss**: ``L_task`` (the image-text contrastive loss, tau 0.07) for
+  ``stage1_steps`` AdamW steps, as FedAvg, in place of BYOL's; so there is no target
+  network (BYOL's EMA target exists for its loss) and no predictor (FedEMA's
+  divergence-aware predictor update has nothing to act on).
+* **What is EMA-updated and measured**: the client's trained parameters, the aligners
+  (+ the encoders with ``train_encoders``), the analogue of FedEMA's online network. The
+  divergence is taken over the same parameters (FedEMA measures the encoder; here the
+  encoders are frozen by default, and a divergence of frozen weights would be 0 and give
+  FedAvg).
+* **Divergence** as the paper writes it, ``||W_g^r - W_k^{r-1}||`` over the whole
+  parameter vector (default); ``ema_divergence="code"`` is the authors' code's, the mean
+  per-layer distance of the weight matrices between the start and end of the client's
+  last local training (its conv weights). Measured (world, 5 clients, seed 0): the
+  paper's measure locks ``mu`` at 1 from round 3 (the divergence to a global model the
+  client no longer takes in only grows), so the clients then train on alone and the
+  global model is the average of their drifting models.
+* **Server**: FedAvg's data-size-weighted average of the clients' trained models (the
+  global model that is evaluated); every client takes part in every round, so every
+  client keeps its model of the last round (``RgbState.clients``, ``scaler``). Traffic as
+  FedAvg's (Table 9 gives FedEMA FedAvg's communication).
 """
 
 from __future__ import annotations
@@ -92,11 +133,12 @@ from fedjax_mm.core.client import map_clients
 from fedjax_mm.models import layers
 from fedjax_mm.models import pretrained as pretrained_lib
 from fedjax_mm.models.user_model import l2_normalize
+from fedjax_mm.server import fedema
 
 PyTree = Any
 Array = jax.Array
 
-METHODS = ("fedrgb", "fedavg", "local")
+METHODS = ("fedrgb", "fedavg", "local", "centralised", "fedema")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
@@ -104,6 +146,8 @@ TEACHERS = ("dro", "average")
 #: used in that round) or the authors' code's (the averaged model after stage 2 on a fixed
 #: 10% of each client's split, used in the next round).
 DRO_SOURCES = ("paper", "code")
+#: FedEMA's divergence: the paper's ||W_g - W_k|| or the authors' code's last-training drift.
+EMA_DIVERGENCES = ("paper", "code")
 #: The share of each client's training split the code's DRO losses are computed on.
 DRO_SUBSET = 0.1
 
@@ -190,6 +234,8 @@ class RgbConfig:
   learning_rate: float = 1e-4
   weight_decay: float = 0.05
   client_map: str = "auto"
+  ema_tau: float = fedema.AUTOSCALER_TARGET  # FedEMA's autoscaler target (its first mu)
+  ema_divergence: str = "paper"  # FedEMA's divergence: "paper" | "code" (server.fedema)
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -204,6 +250,10 @@ class RgbConfig:
       raise ValueError(f"guide must be one of {losses.fedrgb.GUIDES}, got {self.guide!r}.")
     if self.rho < 0 or self.gamma < 0:
       raise ValueError(f"rho and gamma must be >= 0, got rho={self.rho}, gamma={self.gamma}.")
+    if not self.ema_tau > 0:
+      raise ValueError(f"ema_tau must be > 0, got {self.ema_tau}.")
+    if self.ema_divergence not in EMA_DIVERGENCES:
+      raise ValueError(f"ema_divergence must be one of {EMA_DIVERGENCES}.")
 
 
 @struct.dataclass
@@ -212,7 +262,10 @@ class RgbState:
 
   ``dro_losses`` ``[K]``: with ``dro_source="code"``, the losses the next round's weights
   are computed from (zeros before the first round, so its weights stay uniform); unused
-  otherwise.
+  otherwise. FedEMA only (None otherwise): ``clients``, each client's trained parameters
+  of the last round (``{"encoder", "aligner"}`` stacked ``[K, ...]``; the encoder ``{}``
+  when frozen), ``scaler`` ``[K]``, each client's ``lambda_k`` (0 until set), and ``drift``
+  ``[K]``, the code's divergence of each client's last training (``ema_divergence="code"``).
   """
 
   round: Array
@@ -222,6 +275,9 @@ class RgbState:
   teacher: PyTree
   weights: Array
   dro_losses: Array
+  clients: PyTree = None
+  scaler: Array | None = None
+  drift: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +381,15 @@ class FedRGB:
     if self.config.method == "local":  # K private copies, stacked
       stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * num_clients), t)
       encoder, aligner = stack(encoder), stack(aligner)
+    clients = scaler = drift = None
+    if self.config.method == "fedema":  # every client starts from the global model
+      trained = {"encoder": encoder if self.config.train_encoders else {}, "aligner": aligner}
+      clients = jax.tree.map(lambda x: jnp.stack([x] * num_clients), trained)
+      scaler = drift = jnp.zeros((num_clients,), jnp.float32)
     return RgbState(
+      clients=clients,
+      scaler=scaler,
+      drift=drift,
       round=jnp.zeros((), jnp.int32),
       rng=key,
       encoder=encoder,
@@ -351,6 +415,19 @@ class FedRGB:
       )
       new = state.replace(round=state.round + 1, encoder=encs, aligner=aligns, teacher=aligns)
       return new, {"stage1_loss": loss1, "weights": state.weights}
+    if cfg.method == "centralised":  # one model, the union of the clients' pairs
+      union = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), arrays)
+      steps = k * cfg.stage1_steps  # FedAvg's steps (and samples) summed over clients
+      encoder, aligner, loss1 = self.stage1_client(
+        state.encoder, state.aligner, state.teacher, k1, union, mask.reshape(-1), steps
+      )
+      weights = data_size_weights(mask)  # each client's share of the union
+      new = state.replace(
+        round=state.round + 1, encoder=encoder, aligner=aligner, teacher=aligner, weights=weights
+      )
+      return new, {"stage1_loss": loss1, "weights": weights}
+    if cfg.method == "fedema":
+      return self._fedema_round(state, arrays, mask, k1)
     if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
       weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
     elif cfg.method == "fedrgb":
@@ -407,6 +484,41 @@ class FedRGB:
     )
     return new, metrics
 
+  def _fedema_round(self, state: RgbState, arrays, mask, key):
+    """FedEMA: each client starts from the EMA of the global and its own last model."""
+    cfg = self.config
+    k = mask.shape[0]
+    trained = {"encoder": state.encoder if cfg.train_encoders else {}, "aligner": state.aligner}
+    code = cfg.ema_divergence == "code"
+    start, mu, scaler, div = jax.vmap(
+      lambda local, lam, d: fedema.fedema_start(
+        trained, local, lam, tau=cfg.ema_tau, div=d if code else None
+      )
+    )(state.clients, state.scaler, state.drift)
+
+    def client(st, kk, a, m):
+      enc = st["encoder"] if cfg.train_encoders else state.encoder
+      return self.stage1_client(enc, st["aligner"], state.teacher, kk, a, m)
+
+    encs, aligns, loss1 = map_clients(
+      client, (start, jax.random.split(key, k), arrays, mask), cfg.client_map
+    )
+    weights = data_size_weights(mask)  # FedAvg's aggregation
+    encoder, aligner = aggregate((encs, aligns), weights)
+    clients = {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns}
+    drift = jax.vmap(fedema.layer_divergence)(start, clients)  # this round's training
+    new = state.replace(
+      drift=drift,
+      round=state.round + 1,
+      encoder=encoder,
+      aligner=aligner,
+      teacher=aligner,
+      weights=weights,
+      clients=clients,
+      scaler=scaler,
+    )
+    return new, {"stage1_loss": loss1, "weights": weights, "ema_mu": mu, "divergence": div}
+
 
 def dro_subset(mask: Array) -> Array:
   """``int [m]``: the first ``m = max(2, round(DRO_SUBSET n))`` valid indices of ``bool [n]``.
@@ -436,6 +548,8 @@ def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:
   if alg.config.method == "local":  # stacked private models; nothing is sent
     full = size(state.encoder) + size(state.aligner)
     return {"stage1": 0, "stage2": 0, "full_model": full // state.weights.shape[0]}
+  if alg.config.method == "centralised":  # one model on pooled data; no rounds of traffic
+    return {"stage1": 0, "stage2": 0, "full_model": size(state.encoder) + size(state.aligner)}
   stage1 = size(state.aligner) + (size(state.encoder) if alg.config.train_encoders else 0)
   trains_teacher = alg.config.method == "fedrgb" and alg.config.teacher == "dro"
   stage2 = size(state.teacher) if trains_teacher else 0

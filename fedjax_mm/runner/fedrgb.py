@@ -26,7 +26,13 @@ model (Local: the client's own model):
   domain, Table 5), for Local the mean over the clients' models.
 
 Chance levels are printed beside them: ``R@K = K / n`` for a gallery of ``n``.
-Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local`` and the ablations of Table 4,
+Rows (:data:`ROWS`): ``fedrgb``, ``fedavg``, ``local``, ``centralised`` (one model on
+the union of the clients' training pairs, FedAvg's steps summed over clients: the paper's
+"Centralized" upper bound; no traffic), ``fedema`` (FedEMA's divergence-aware EMA of the
+global and each client's last model at the start of a round, local loss ``L_task``, as the
+paper adapts its self-supervised baselines; :mod:`fedjax_mm.server.fedema`),
+``fedema_code`` (the same with the authors' code's divergence) and the
+ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
@@ -47,8 +53,7 @@ none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
   accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
   the test set and the initial model (World-CLIP encoders, untrained aligners).
 
-Not built yet (issue 19): FedEMA / FedX / FedMAE, the centralised row, the sweeps,
-segmentation fine-tuning.
+Not built yet (issue 19): FedX / FedMAE, the sweeps, segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ ROWS = {
   "fedrgb": ("fedrgb", {}),
   "fedavg": ("fedavg", {}),
   "local": ("local", {}),
+  "centralised": ("centralised", {}),  # the paper's "Centralized" / "Global" upper bound
+  "fedema": ("fedema", {}),  # FedEMA (Zhuang et al. 2022) on L_task, as the paper adapts it
+  # FedEMA with the authors' code's divergence (the drift of the client's last training).
+  "fedema_code": ("fedema", {"ema_divergence": "code"}),
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
@@ -126,6 +135,9 @@ def validate(config) -> None:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
   if f.dro_source not in alg.DRO_SOURCES:
     raise ConfigError(f"fedrgb.dro_source must be one of {list(alg.DRO_SOURCES)}.")
+  tau = float(config.fedema_tau)
+  if not (np.isfinite(tau) and tau > 0):
+    raise ConfigError(f"fedema_tau must be a finite number > 0, got {config.fedema_tau}.")
   lr = float(config.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
@@ -235,6 +247,7 @@ def build(config) -> dict[str, Any]:
     learning_rate=config.learning_rate,
     weight_decay=config.weight_decay,
     client_map=config.client_map,
+    ema_tau=config.fedema_tau,
   )
   # The model is built (and its World-CLIP weights read) once: every row starts from the
   # same encoders, aligners and key, hence the same client draws.
@@ -489,7 +502,7 @@ def experiment(config) -> loop.Experiment:
     for m in methods:
       out = outs[m]
       values = {"stage1_loss": float(np.mean(np.asarray(out["stage1_loss"])))}
-      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next"):
+      for name in ("stage2_loss", "dro_loss_start", "dro_loss_next", "ema_mu"):
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
@@ -506,7 +519,7 @@ def experiment(config) -> loop.Experiment:
   def traffic(m, out):
     del out
     t = traffic_bytes[m]
-    if ROWS[m][0] == "local":
+    if ROWS[m][0] in ("local", "centralised"):  # nothing is sent
       return None
     up = np.full(k, t["stage1"] + t["stage2"], np.int64)
     down = np.full(k, t["stage1"], np.int64)  # the new global aligners (and encoders if trained)
