@@ -49,7 +49,8 @@ def default_chunk_size(num_clients: int, num_public: int) -> int:
   return max(1, min(num_public, DEFAULT_CHUNK_ELEMENTS // max(1, num_clients * num_public)))
 
 
-def _check(local: Array, global_other: Array, present: Array) -> None:
+def check_inputs(local: Array, global_other: Array, present: Array) -> None:
+  """Raises ValueError unless ``local [C, P, d]``, ``global_other [P, d]``, ``present [C]`` agree."""
   if local.ndim != 3:
     raise ValueError(f"local must be [C, P, d], got shape {local.shape}.")
   if global_other.shape != local.shape[1:]:
@@ -128,7 +129,7 @@ def gca(
     ``(aggregated [P, d], weights [C, P])``.
   """
   local, global_other, present = (jnp.asarray(x) for x in (local, global_other, present))
-  _check(local, global_other, present)
+  check_inputs(local, global_other, present)
   num_clients, num_public, dim = local.shape
   chunk = default_chunk_size(num_clients, num_public) if chunk_size is None else int(chunk_size)
   if chunk < 1:

@@ -134,7 +134,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_mm.server.gca import DEFAULT_CHUNK_ELEMENTS, default_chunk_size
+from fedjax_mm.server.gca import DEFAULT_CHUNK_ELEMENTS, check_inputs, default_chunk_size
 
 Array = jax.Array
 
@@ -168,17 +168,6 @@ def _normalise(scores: Array, keep: Array) -> Array:
   """Non-negative ``[C, P]`` scores -> weights over the kept clients, summing to 1 (or all 0)."""
   scores = jnp.where(keep, scores, 0.0)
   return scores / jnp.maximum(jnp.sum(scores, axis=0, keepdims=True), 1e-30)
-
-
-def _check(local: Array, global_other: Array, present: Array) -> None:
-  if local.ndim != 3:
-    raise ValueError(f"local must be [C, P, d], got shape {local.shape}.")
-  if global_other.shape != local.shape[1:]:
-    raise ValueError(
-      f"global_other must be [P, d] = {local.shape[1:]}, got shape {global_other.shape}."
-    )
-  if present.shape != local.shape[:1]:
-    raise ValueError(f"present must be [C] = {local.shape[:1]}, got shape {present.shape}.")
 
 
 def _over_chunks(fn: Callable[[Array, Array], Any], local: Array, chunk_size: int | None) -> Any:
@@ -238,7 +227,7 @@ def fedet_with_diversity(
     all in the majority).
   """
   local, global_other, present = (jnp.asarray(x) for x in (local, global_other, present))
-  _check(local, global_other, present)
+  check_inputs(local, global_other, present)
 
   def one_chunk(local_chunk, rows):
     del rows
@@ -331,7 +320,7 @@ def fedgems(
   local, global_same, global_other, present = (
     jnp.asarray(x) for x in (local, global_same, global_other, present)
   )
-  _check(local, global_other, present)
+  check_inputs(local, global_other, present)
   if global_same.shape != global_other.shape:
     raise ValueError(
       f"global_same must be [P, d] = {global_other.shape}, got shape {global_same.shape}."
