@@ -34,6 +34,8 @@ Every function is a pure transform of stacked arrays.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,38 @@ def check_inputs(local: Array, global_other: Array, present: Array) -> None:
     )
   if present.shape != local.shape[:1]:
     raise ValueError(f"present must be [C] = {local.shape[:1]}, got shape {present.shape}.")
+
+
+def over_chunks(fn: Callable[[Array, Array], Any], local: Array, chunk_size: int | None) -> Any:
+  """``fn(local[:, rows], rows)`` over chunks of public samples, stitched back to ``P`` rows.
+
+  ``fn`` returns a pytree whose leaves have the chunk's samples on axis 0. Chunk ``i``
+  covers samples ``[start_i, start_i + chunk)``, the last one shifted back to end at
+  ``P`` (it recomputes a few rows, identically, since every rule that uses this is row
+  by row), so nothing is padded or copied: each chunk slices ``local`` in place.
+  ``chunk_size``: ``None`` picks :func:`default_chunk_size`; ``>= P`` calls ``fn`` once.
+  """
+  num_clients, num_public, _ = local.shape
+  chunk = default_chunk_size(num_clients, num_public) if chunk_size is None else int(chunk_size)
+  if chunk < 1:
+    raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+  if chunk >= num_public:
+    return fn(local, jnp.arange(num_public))
+  num_chunks = math.ceil(num_public / chunk)
+  starts = jnp.minimum(jnp.arange(num_chunks) * chunk, num_public - chunk)
+
+  def at(start):
+    rows = start + jnp.arange(chunk)
+    return fn(jax.lax.dynamic_slice_in_dim(local, start, chunk, axis=1), rows)
+
+  chunks = jax.lax.map(at, starts)  # leaves [n, c, ...]
+  rows = (starts[:, None] + jnp.arange(chunk)).reshape(-1)
+
+  def stitch(x):
+    tail = x.shape[2:]
+    return jnp.zeros((num_public, *tail), x.dtype).at[rows].set(x.reshape(-1, *tail))
+
+  return jax.tree.map(stitch, chunks)
 
 
 def _chunk_scores(local: Array, global_other: Array, rows: Array, temperature) -> Array:
@@ -130,39 +164,15 @@ def gca(
   """
   local, global_other, present = (jnp.asarray(x) for x in (local, global_other, present))
   check_inputs(local, global_other, present)
-  num_clients, num_public, dim = local.shape
-  chunk = default_chunk_size(num_clients, num_public) if chunk_size is None else int(chunk_size)
-  if chunk < 1:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
-  def one_chunk(xs):
-    local_chunk, rows = xs  # [C, c, d], [c]
+  def one_chunk(local_chunk, rows):  # [C, c, d], [c] -> [c, d], [c, C]
     weights = _softmax_over_clients(
       _chunk_scores(local_chunk, global_other, rows, temperature), present
     )
-    return jnp.einsum("ck,ckd->kd", weights, local_chunk), weights
+    return jnp.einsum("ck,ckd->kd", weights, local_chunk), weights.T
 
-  if chunk >= num_public:
-    return one_chunk((local, jnp.arange(num_public)))
-  # Chunk i covers anchors [start_i, start_i + chunk); the last one is shifted
-  # back to end at P (it recomputes a few rows, identically), so nothing is
-  # padded or copied: each chunk slices ``local`` in place.
-  num_chunks = math.ceil(num_public / chunk)
-  starts = jnp.minimum(jnp.arange(num_chunks) * chunk, num_public - chunk)
-
-  def at(start):
-    rows = start + jnp.arange(chunk)
-    return one_chunk((jax.lax.dynamic_slice_in_dim(local, start, chunk, axis=1), rows))
-
-  agg_chunks, weight_chunks = jax.lax.map(at, starts)  # [n, c, d], [n, C, c]
-  rows = (starts[:, None] + jnp.arange(chunk)).reshape(-1)
-  agg = jnp.zeros((num_public, dim), agg_chunks.dtype).at[rows].set(agg_chunks.reshape(-1, dim))
-  weights = (
-    jnp.zeros((num_clients, num_public), weight_chunks.dtype)
-    .at[:, rows]
-    .set(weight_chunks.swapaxes(0, 1).reshape(num_clients, -1))
-  )
-  return agg, weights
+  agg, weights = over_chunks(one_chunk, local, chunk_size)
+  return agg, weights.T
 
 
 def client_weighted(local: Array, client_weights: Array) -> tuple[Array, Array]:

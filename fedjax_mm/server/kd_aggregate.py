@@ -127,14 +127,15 @@ server side needs only the batch's ``B x P`` similarities.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from fedjax_mm.server.gca import DEFAULT_CHUNK_ELEMENTS, check_inputs, default_chunk_size
+from fedjax_mm.server.gca import (
+  DEFAULT_CHUNK_ELEMENTS,
+  check_inputs,
+  default_chunk_size,
+  over_chunks,
+)
 
 Array = jax.Array
 
@@ -168,37 +169,6 @@ def _normalise(scores: Array, keep: Array) -> Array:
   """Non-negative ``[C, P]`` scores -> weights over the kept clients, summing to 1 (or all 0)."""
   scores = jnp.where(keep, scores, 0.0)
   return scores / jnp.maximum(jnp.sum(scores, axis=0, keepdims=True), 1e-30)
-
-
-def _over_chunks(fn: Callable[[Array, Array], Any], local: Array, chunk_size: int | None) -> Any:
-  """``fn(local[:, rows], rows)`` over chunks of public samples, stitched back to ``P`` rows.
-
-  ``fn`` returns a pytree whose leaves have the chunk's samples on axis 0. As
-  :func:`fedjax_mm.server.gca.gca`: chunk ``i`` covers samples ``[start_i, start_i +
-  chunk)``, the last one shifted back to end at ``P`` (it recomputes a few rows,
-  identically, since every rule here is row by row), so nothing is padded.
-  """
-  num_clients, num_public, _ = local.shape
-  chunk = default_chunk_size(num_clients, num_public) if chunk_size is None else int(chunk_size)
-  if chunk < 1:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
-  if chunk >= num_public:
-    return fn(local, jnp.arange(num_public))
-  num_chunks = math.ceil(num_public / chunk)
-  starts = jnp.minimum(jnp.arange(num_chunks) * chunk, num_public - chunk)
-
-  def at(start):
-    rows = start + jnp.arange(chunk)
-    return fn(jax.lax.dynamic_slice_in_dim(local, start, chunk, axis=1), rows)
-
-  chunks = jax.lax.map(at, starts)  # leaves [n, c, ...]
-  rows = (starts[:, None] + jnp.arange(chunk)).reshape(-1)
-
-  def stitch(x):
-    tail = x.shape[2:]
-    return jnp.zeros((num_public, *tail), x.dtype).at[rows].set(x.reshape(-1, *tail))
-
-  return jax.tree.map(stitch, chunks)
 
 
 def fedet_with_diversity(
@@ -248,7 +218,7 @@ def fedet_with_diversity(
       diversity_weights.T,
     )
 
-  agg, weights, diversity, diversity_weights = _over_chunks(one_chunk, local, chunk_size)
+  agg, weights, diversity, diversity_weights = over_chunks(one_chunk, local, chunk_size)
   return agg, weights.T, diversity, diversity_weights.T
 
 
@@ -342,5 +312,5 @@ def fedgems(
     fused = jnp.einsum("ck,ckd->kd", weights, local_chunk)
     return jnp.where(keep[:, None], own, fused), weights.T
 
-  agg, weights = _over_chunks(one_chunk, local, chunk_size)
+  agg, weights = over_chunks(one_chunk, local, chunk_size)
   return agg, weights.T
