@@ -1,4 +1,7 @@
-"""The im2col convolution equals XLA's, and vmapping it over kernels equals a loop."""
+"""The im2col convolution equals XLA's, and vmapping it over kernels equals a loop.
+
+So do the explicitly padded (PyTorch-style) and depthwise forms SegFormer uses.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -64,3 +67,37 @@ def test_bad_input_is_a_clear_error():
     conv.Conv(3, 4, (3, 3), impl="winograd", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="kernel expects 3 input channels"):
     conv.conv2d(jnp.zeros((1, 4, 4, 2)), jnp.zeros((3, 3, 3, 4)))
+
+
+@pytest.mark.parametrize("kernel,stride,padding", [(7, 4, 3), (3, 2, 1), (2, 2, 0), (1, 1, 0)])
+def test_explicit_padding_equals_xla(kernel, stride, padding, x64):
+  """``padding=p`` pads ``p`` on every side, as PyTorch's ``Conv2d(padding=p)``."""
+  rng = np.random.default_rng(kernel)
+  x = jnp.asarray(rng.normal(size=(2, 11, 9, 3)))
+  w = jnp.asarray(rng.normal(size=(kernel, kernel, 3, 5)))
+  out = conv.conv2d(x, w, stride=stride, padding=padding)
+  want = jax.lax.conv_general_dilated(
+    x, w, (stride, stride), [(padding, padding)] * 2, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  assert (
+    out.shape
+    == want.shape
+    == (2, (11 + 2 * padding - kernel) // stride + 1, (9 + 2 * padding - kernel) // stride + 1, 5)
+  )
+  np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(conv.conv2d(x, w, stride=stride, padding=padding, impl="xla"), want)
+
+
+def test_depthwise_equals_grouped_xla_conv(x64):
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(2, 7, 6, 4)))
+  w = jnp.asarray(rng.normal(size=(3, 3, 1, 4)))
+  want = jax.lax.conv_general_dilated(
+    x,
+    w,
+    (1, 1),
+    [(1, 1), (1, 1)],
+    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    feature_group_count=4,
+  )
+  np.testing.assert_allclose(conv.depthwise_conv2d(x, w, padding=1), want, rtol=1e-12, atol=1e-12)

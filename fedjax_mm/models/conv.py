@@ -32,38 +32,52 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "conv2d"]
+__all__ = ["Conv", "conv2d", "depthwise_conv2d"]
 
 IMPLS = ("im2col", "xla")
 _DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 
 
-def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1, impl: str = "im2col") -> jax.Array:
-  """``"SAME"``-padded 2-D convolution of one batch of images.
+def conv2d(
+  x: jax.Array,
+  kernel: jax.Array,
+  *,
+  stride: int = 1,
+  padding: str | int = "SAME",
+  impl: str = "im2col",
+) -> jax.Array:
+  """2-D convolution of one batch of images, ``"SAME"``-padded by default.
 
   Args:
     x: ``[b, H, W, C_in]`` images (NHWC).
     kernel: ``[kh, kw, C_in, C_out]`` (HWIO, the layout of ``nnx.Conv``).
     stride: the same stride along both spatial axes.
+    padding: ``"SAME"`` (XLA's split of the padding), or an int ``p``: ``p``
+      zeros on every side, as PyTorch's ``Conv2d(padding=p)`` pads.
     impl: ``"im2col"`` (patches @ kernel; fast under ``vmap`` over kernels)
       or ``"xla"`` (``lax.conv_general_dilated``).
 
   Returns:
-    ``[b, ceil(H / stride), ceil(W / stride), C_out]``.
+    ``[b, H', W', C_out]``: ``H' = ceil(H / stride)`` for ``"SAME"``,
+    ``floor((H + 2p - kh) / stride) + 1`` for an int ``p``.
   """
+  kh, kw, cin, cout = kernel.shape
+  height, width = x.shape[1:3]
+  if padding == "SAME":
+    pads = jax.lax.padtype_to_pads((height, width), (kh, kw), (stride, stride), "SAME")
+  elif isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0:
+    pads = [(padding, padding), (padding, padding)]
+  else:
+    raise ValueError(f'padding must be "SAME" or an int >= 0, got {padding!r}.')
   if impl == "xla":
     return jax.lax.conv_general_dilated(
-      x, kernel, (stride, stride), "SAME", dimension_numbers=_DIMENSION_NUMBERS
+      x, kernel, (stride, stride), pads, dimension_numbers=_DIMENSION_NUMBERS
     )
   if impl != "im2col":
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-  kh, kw, cin, cout = kernel.shape
   if x.shape[-1] != cin:
     raise ValueError(f"kernel expects {cin} input channels, images have {x.shape[-1]}.")
-  height, width = x.shape[1:3]
-  (top, bottom), (left, right) = jax.lax.padtype_to_pads(
-    (height, width), (kh, kw), (stride, stride), "SAME"
-  )
+  (top, bottom), (left, right) = pads
   padded = jnp.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
   out_h = (height + top + bottom - kh) // stride + 1
   out_w = (width + left + right - kw) // stride + 1
@@ -123,3 +137,34 @@ class Conv(nnx.Module):
     """``[b, H, W, C_in] -> [b, H / stride, W / stride, C_out]``."""
     y = conv2d(x, self.kernel[...], stride=self.strides, impl=self.impl)
     return y if self.bias is None else y + self.bias[...]
+
+
+def depthwise_conv2d(x: jax.Array, kernel: jax.Array, *, padding: int) -> jax.Array:
+  """Stride-1 depthwise convolution (one filter per channel), ``padding`` zeros on every side.
+
+  PyTorch's ``Conv2d(C, C, k, padding=p, groups=C)``. Written as a sum of the
+  ``kh * kw`` shifted views times the kernel's taps (elementwise), so a
+  ``vmap`` over clients' kernels stays elementwise too.
+
+  Args:
+    x: ``[b, H, W, C]``.
+    kernel: ``[kh, kw, 1, C]`` (HWIO with one input channel per group, the
+      layout of ``nnx.Conv(feature_group_count=C)``).
+    padding: zeros added on every side.
+
+  Returns:
+    ``[b, H + 2p - kh + 1, W + 2p - kw + 1, C]``.
+  """
+  kh, kw, one, c = kernel.shape
+  if one != 1 or x.shape[-1] != c:
+    raise ValueError(
+      f"depthwise kernel {kernel.shape} does not fit images with {x.shape[-1]} channels."
+    )
+  padded = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+  out_h = x.shape[1] + 2 * padding - kh + 1
+  out_w = x.shape[2] + 2 * padding - kw + 1
+  out = 0.0
+  for i in range(kh):
+    for j in range(kw):
+      out = out + padded[:, i : i + out_h, j : j + out_w, :] * kernel[i, j, 0]
+  return out
