@@ -1,7 +1,10 @@
 """Flax NNX models: encoders, heads, LoRA adapters and the per-user model.
 
 Every model is a pure function of its ``nnx.Param``/``nnx.LoRAParam``
-variables (no BatchNorm, no dropout, no other state), so the engine can
+variables (no BatchNorm in training form, no dropout, no other state; an
+``hf:`` SegFormer's decode head reads its BatchNorm's running statistics from
+frozen ``nnx.BatchStat`` variables, which ``nnx.split(model, trainable, ...)``
+keeps with the frozen rest), so the engine can
 ``nnx.split`` it once, stack many clients' states along a leading axis and run
 them all with ``jax.vmap(lambda s, x: nnx.merge(graphdef, s)(x))``.
 
@@ -16,7 +19,7 @@ Models are built by name from a small config::
 Config keys (``DEFAULTS`` gives the defaults; unknown keys are an error):
 
 * ``encoder``: a name in :data:`ENCODERS`, or ``"hf:<folder>"`` for a Hugging
-  Face checkpoint (BERT family, ViT, a CLIP tower; :mod:`fedjax_mm.models.hf`),
+  Face checkpoint (BERT family, ViT, a CLIP tower, SegFormer; :mod:`fedjax_mm.models.hf`),
   wrapped in :class:`~fedjax_mm.models.hf.ZooEncoder` (required).
 * ``head``: ``"linear"`` | ``"mlp"`` | ``"segmentation"`` (default ``"linear"``).
 * ``num_outputs``: classes / labels / segmentation classes (required).

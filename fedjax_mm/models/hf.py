@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (BERT family, ViT, CLIP) as Flax NNX encoders, without torch.
+"""Hugging Face checkpoints (BERT family, ViT, CLIP, SegFormer) as Flax NNX encoders, without torch.
 
 A checkpoint is a folder in the Hugging Face layout: ``config.json``
 (``model_type`` / ``architectures`` and the sizes) and ``model.safetensors``
@@ -19,8 +19,11 @@ OIHW). :func:`load` reads the config, builds the matching module and fills it::
 | ``clip``              | :class:`~.hf_clip.CLIPModel` (both towers, projections, ``logit_scale``) | both |
 | ``clip_text_model``   | :class:`~.hf_clip.CLIPTextTransformer`    | ``(input_ids, mask)``    |
 | ``clip_vision_model`` | :class:`~.hf_clip.CLIPVisionTransformer`  | ``[b, H, W, C]`` pixels  |
+| ``segformer``         | :class:`~.hf_segformer.SegformerModel` (+ ``decode_head`` if the checkpoint has it) | ``[b, H, W, C]`` pixels |
 
-Encoders return :class:`~.hf_layers.EncoderOutput` ``(states, pooled)``.
+Encoders return :class:`~.hf_layers.EncoderOutput` ``(states, pooled)``;
+SegFormer returns :class:`~.hf_segformer.SegformerOutput` (per-stage maps,
+pooled, the decode head's fused map and logits).
 
 **Names.** The NNX modules use PyTorch's attribute names, so a tensor's name is
 the path of the variable it fills; only the leaf is renamed by the owning
@@ -28,13 +31,17 @@ module's type, and the layout converted:
 
 * ``nnx.Linear``: ``weight [out, in]`` -> ``kernel [in, out]`` (transposed);
 * ``nnx.LayerNorm``: ``weight`` -> ``scale``; ``nnx.Embed``: ``weight`` -> ``embedding``;
-* patch convolutions: ``weight`` OIHW -> ``kernel`` HWIO;
-* raw parameters (``cls_token``, ``class_embedding``, ``logit_scale``) keep theirs.
+* patch and SegFormer convolutions: ``weight`` OIHW -> ``kernel`` HWIO;
+* raw parameters (``cls_token``, ``class_embedding``, ``logit_scale``) keep theirs,
+  and so do SegFormer's BatchNorm tensors (``running_mean`` / ``running_var``
+  fill ``nnx.BatchStat`` variables: loaded, never trained).
 
 A checkpoint saved from a model with a task head nests the encoder under its
-base prefix (``bert.``, ``distilbert.``, ``vit.``; ``text_model.`` / ``vision_model.`` for a
-single CLIP tower); the prefix is stripped, and the head's tensors (``cls.*``,
-``classifier.*``) are an error unless ``ignore_heads=True``. Non-parameter
+base prefix (``bert.``, ``distilbert.``, ``vit.``, ``segformer.``; ``text_model.`` /
+``vision_model.`` for a single CLIP tower); the prefix is stripped, and the head's tensors
+(``cls.*``, ``classifier.*``) are an error unless ``ignore_heads=True``. SegFormer's
+decode head (``decode_head.*``, beside the prefix) is not dropped: the module builds it
+whenever the checkpoint has one. Non-parameter
 buffers (``position_ids``) are skipped. Every parameter must be filled and
 every other tensor used: :class:`HfError` names the missing, unexpected and
 mis-shaped tensors. Pooler layers are built only when the checkpoint has them.
@@ -44,7 +51,8 @@ initial values, no initialisers compiled), then sets every base parameter from
 the checkpoint.
 
 **LoRA.** ``load(path, lora_rank=r)`` builds every attention projection
-(query/key/value/output) and MLP dense layer with
+(query/key/value/output) and MLP dense layer (SegFormer: the Mix-FFN's
+``dense1`` / ``dense2``; its decode head is not adapted) with
 :func:`fedjax_mm.models.lora.dense`; the adapters (``nnx.LoRAParam``) are
 drawn from the ``rngs`` override after loading, ``A`` he-uniform and ``B = 0``
 as ``nnx.LoRA`` draws them, so the loaded model's outputs are unchanged until
@@ -74,7 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fedjax_mm.models import hf_bert, hf_clip, hf_distilbert, hf_vit
+from fedjax_mm.models import hf_bert, hf_clip, hf_distilbert, hf_segformer, hf_vit
 from fedjax_mm.models.hf_layers import EncoderOutput, PatchEmbed, from_dict, mean_pool
 
 __all__ = [
@@ -112,8 +120,14 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
   "clip": ("clip", ()),
   "clip_text_model": ("clip_text", ("text_model.",)),
   "clip_vision_model": ("clip_vision", ("vision_model.",)),
+  "segformer": ("segformer", ("segformer.",)),
 }
-_ARCHITECTURES = {"Bert": "bert", "DistilBert": "distilbert", "ViT": "vit"}
+_ARCHITECTURES = {
+  "Bert": "bert",
+  "DistilBert": "distilbert",
+  "ViT": "vit",
+  "Segformer": "segformer",
+}
 _BUFFERS = ("position_ids", "num_batches_tracked")
 _OVERRIDES = ("lora_rank", "rngs", "ignore_heads")
 
@@ -184,7 +198,13 @@ def modality(path: str | pathlib.Path, wanted: str | None = None) -> str:
   """
   folder = resolve(path)
   family, _ = FAMILIES[_model_type(read_config(folder), folder)]
-  found = {"bert": "text", "clip_text": "text", "vit": "image", "clip_vision": "image"}.get(family)
+  found = {
+    "bert": "text",
+    "clip_text": "text",
+    "vit": "image",
+    "clip_vision": "image",
+    "segformer": "image",
+  }.get(family)
   if found is None:
     if wanted not in ("text", "image"):
       raise HfError(
@@ -229,6 +249,10 @@ def _build(
   if model_type == "clip_vision_model":
     c = from_dict(hf_clip.CLIPVisionConfig, config)
     return hf_clip.CLIPVisionTransformer(c, lora_rank=lora_rank, rngs=rngs)
+  if model_type == "segformer":
+    c = hf_segformer.SegformerConfig.from_json(config)
+    head = any(k.startswith("decode_head.") for k in tensors)
+    return hf_segformer.SegformerModel(c, decode_head=head, lora_rank=lora_rank, rngs=rngs)
   text = from_dict(hf_clip.CLIPTextConfig, config.get("text_config") or {})
   vision = from_dict(hf_clip.CLIPVisionConfig, config.get("vision_config") or {})
   return hf_clip.CLIPModel(
@@ -275,9 +299,11 @@ def torch_names(module: nnx.Module) -> dict[str, tuple[nnx.Variable, Any]]:
   """PyTorch tensor name -> (the variable it fills, numpy layout conversion).
 
   Covers every ``nnx.Param`` of ``module`` except LoRA adapters (which no
-  checkpoint holds); see the module docstring for the renaming rules.
+  checkpoint holds), and ``nnx.BatchStat`` (BatchNorm's running statistics);
+  see the module docstring for the renaming rules.
   """
-  flat = nnx.to_flat_state(nnx.state(module, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+  stored = nnx.All(nnx.Any(nnx.Param, nnx.BatchStat), nnx.Not(nnx.LoRAParam))
+  flat = nnx.to_flat_state(nnx.state(module, stored))
   names = {}
   for path, var in flat:
     owner, leaf, convert = _owner(module, path[:-1]), path[-1], _identity
@@ -287,7 +313,7 @@ def torch_names(module: nnx.Module) -> dict[str, tuple[nnx.Variable, Any]]:
       leaf = "weight"
     elif isinstance(owner, nnx.Embed) and leaf == "embedding":
       leaf = "weight"
-    elif isinstance(owner, PatchEmbed) and leaf == "kernel":
+    elif isinstance(owner, (PatchEmbed, hf_segformer.Conv2d)) and leaf == "kernel":
       leaf, convert = "weight", _oihw_to_hwio
     names[".".join(str(p) for p in (*path[:-1], leaf))] = (var, convert)
   return names
@@ -305,19 +331,30 @@ def _match(
   prefixes: Sequence[str],
   *,
   ignore_heads: bool,
+  beside: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
-  """The checkpoint's tensors renamed onto ``names`` (prefix stripped); raises on any misfit."""
+  """The checkpoint's tensors renamed onto ``names`` (prefix stripped); raises on any misfit.
+
+  ``beside``: top-level modules of the encoder that a task checkpoint stores
+  outside the base prefix (SegFormer's ``decode_head``), under their own names.
+  """
   tensors = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] not in _BUFFERS}
-  prefix = max(("", *prefixes), key=lambda p: sum(p + n in tensors for n in names))
-  inside = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-  heads = [k for k in tensors if not k.startswith(prefix)]
-  missing = [n for n in names if n not in inside]
-  unexpected = [k for k in inside if k not in names]
+
+  def stored(name: str, prefix: str) -> str:
+    return name if name.split(".", 1)[0] in beside else prefix + name
+
+  prefix = max(("", *prefixes), key=lambda p: sum(stored(n, p) in tensors for n in names))
+  wanted = {stored(n, prefix): n for n in names}
+  ours = [k for k in tensors if k.startswith(prefix) or k.split(".", 1)[0] in beside]
+  inside = {wanted[k]: tensors[k] for k in ours if k in wanted}
+  heads = [k for k in tensors if k not in set(ours)]
+  missing = [k for k in wanted if k not in tensors]
+  unexpected = [k for k in ours if k not in wanted]
   problems = []
   if missing:
-    problems.append(f"missing tensors {_listing(prefix + n for n in missing)}")
+    problems.append(f"missing tensors {_listing(missing)}")
   if unexpected:
-    problems.append(f"unexpected tensors {_listing(prefix + k for k in unexpected)}")
+    problems.append(f"unexpected tensors {_listing(unexpected)}")
   if heads and not ignore_heads:
     problems.append(
       f"tensors outside the encoder ({prefix!r}), a task head's: {_listing(heads)} "
@@ -372,6 +409,7 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
     names,
     FAMILIES[model_type][1],
     ignore_heads=bool(overrides.get("ignore_heads", False)),
+    beside=getattr(model, "beside_prefix", ()),
   )
   wrong = []
   for name, (var, convert) in names.items():
@@ -454,6 +492,23 @@ class ZooEncoder(nnx.Module):
     ``preprocessor_config.json`` (what ``transformers``' image processors do
     after rescaling to ``[0, 1]``). ``pooled`` is the checkpoint's pooled
     output, ``spatial`` the patch tokens on their ``grid x grid`` map.
+  * SegFormer: ``x`` as above, normalised the same way but *not* resized (no
+    position embeddings: any size whose stages' grids reach their reduction
+    ratios works, and a 512 x 512 resize of the zoo's 32 x 32 images would
+    cost 256 times the compute). ``pooled`` is the mean of the last stage's
+    tokens (what ``SegformerForImageClassification`` classifies). ``spatial``
+    is the decode head's fused map ``[b, H/4, W/4, decoder_hidden_size]``
+    (after its BatchNorm and ReLU) when the checkpoint has a decode head, else
+    the last stage's map ``[b, H/32, W/32, c_N]``. The fused map is what a
+    segmentation user should read: it is at the zoo's ``H/4`` resolution
+    (the last stage is ``1 x 1`` for a 32 x 32 image), it mixes all four
+    stages as the paper's decoder does, and the checkpoint's own segmentation
+    classifier is a 1x1 convolution of it, so the zoo's
+    :class:`~fedjax_mm.models.heads.SegmentationHead` (conv3x3, GroupNorm,
+    ReLU, 1x1, upsample to ``H x W``) starts from per-pixel features that
+    already separate the pretraining classes. The decode head is loaded but
+    not LoRA-adapted (base weights, frozen with the encoder; its classifier is
+    unused here).
 
   Attributes:
     tower: the HF module (its parameters keep PyTorch's paths below ``tower``).
@@ -472,6 +527,7 @@ class ZooEncoder(nnx.Module):
     self.modality = tower.modality
     self.features = tower.features
     self.mean = isinstance(tower, (hf_bert.BertModel, hf_distilbert.DistilBertModel))
+    self.segformer = isinstance(tower, hf_segformer.SegformerModel)
     if self.modality == "image":
       self.spatial_features = tower.width
       self.image_mean = None if image_mean is None else tuple(map(float, image_mean))
@@ -484,12 +540,15 @@ class ZooEncoder(nnx.Module):
       out = self.tower(x, mask.astype(jnp.int32))
       states = out.states * mask[..., None]
       return (mean_pool(states, mask) if self.mean else out.pooled), states
-    size = self.tower.config.image_size
-    if x.ndim == 4 and x.shape[1:3] != (size, size):
-      x = jax.image.resize(x, (x.shape[0], size, size, x.shape[3]), self.resample)
+    if not self.segformer:
+      size = self.tower.config.image_size
+      if x.ndim == 4 and x.shape[1:3] != (size, size):
+        x = jax.image.resize(x, (x.shape[0], size, size, x.shape[3]), self.resample)
     if self.image_mean is not None:
       x = (x - jnp.asarray(self.image_mean, x.dtype)) / jnp.asarray(self.image_std, x.dtype)
     out = self.tower(x)
+    if self.segformer:
+      return out.pooled, out.hidden_states[-1] if out.decoded is None else out.decoded
     g = self.tower.grid
     return out.pooled, out.states[:, 1:].reshape(x.shape[0], g, g, -1)
 
