@@ -36,3 +36,34 @@ def test_segmentation_majority_pixel_class_miou():
   present = np.unique(test)
   ious = jaccard_score(test.ravel(), np.zeros(test.size, int), average=None, labels=present)
   assert float(task.trivial_metric(train, test)) == pytest.approx(ious.mean(), abs=1e-6)
+
+
+def test_segmentation_ignores_void_pixels():
+  """Void (255, or anything outside [0, C)) adds nothing to the loss, mIoU or the trivial count."""
+  rng = np.random.default_rng(3)
+  task = core.Task("segmentation", "image", "mask", 4)
+  logits = rng.normal(size=(3, 5, 5, 4)).astype(np.float32)
+  labels = rng.integers(0, 4, (3, 5, 5))
+  void = rng.random((3, 5, 5)) < 0.3
+  void[2] = True  # an example with no labelled pixel
+  masked = np.where(void, 255, labels)
+  masked[0, 0, :2] = -1  # negative labels are void too
+  void[0, 0, :2] = True
+  loss = np.asarray(task.per_example_loss(logits, masked))
+  log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+  for i in range(2):  # the mean over the labelled pixels only
+    assert loss[i] == pytest.approx(nll[i][~void[i]].mean(), rel=1e-5)
+  assert loss[2] == 0.0 and np.isfinite(loss).all()
+  assert np.isfinite(float(task.loss(logits, masked, np.ones(3, bool))))
+  pred = logits.argmax(-1)
+  expected = jaccard_score(labels[~void], pred[~void], average="macro", labels=np.arange(4))
+  assert float(task.metric(logits, masked, np.ones(3, bool))) == pytest.approx(expected, abs=1e-6)
+  # The trivial baseline counts labelled pixels only: void outnumbers class 3 but is no class.
+  train = np.full((2, 4, 4), 255)
+  train[:, 0, :3] = 3
+  train[:, 1, :2] = 1
+  got = float(task.trivial_metric(train, masked))
+  threes, present = np.full(labels[~void].shape, 3), np.union1d(labels[~void], [3])
+  expected = jaccard_score(labels[~void], threes, average="macro", labels=present)
+  assert got == pytest.approx(expected, abs=1e-6)

@@ -16,6 +16,12 @@ kind                outputs                loss                         metric
 Text tasks are classification tasks whose input is ``caption``: the data holds
 several captions per sample ``[n, C, L]``; training picks one at random per
 sample and step, evaluation uses the first.
+
+Segmentation masks may hold pixels of no class (COCO panoptic's unlabelled
+pixels, :data:`fedjax_mm.data.tfds.VOID` = 255): a pixel whose label lies outside
+``[0, num_outputs)`` is ignored by the loss (each example's mean runs over its
+labelled pixels), by mIoU (:func:`fedjax_mm.metrics.confusion_matrix`) and by the
+trivial baseline's class counts.
 """
 
 from __future__ import annotations
@@ -83,13 +89,18 @@ class Task:
     return x
 
   def per_example_loss(self, outputs: Array, targets: Array) -> Array:
-    """Loss of each example ``[b]``."""
+    """Loss of each example ``[b]``; segmentation: the mean over its labelled pixels (0 if none)."""
     if self.kind == "classification":
       return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
     if self.kind == "multilabel":
       return optax.sigmoid_binary_cross_entropy(outputs, targets.astype(outputs.dtype)).mean(-1)
-    per_pixel = optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
-    return per_pixel.reshape(per_pixel.shape[0], -1).mean(-1)
+    # Pixels labelled outside [0, C) (void) are ignored: optax would give NaN there.
+    labelled = (targets >= 0) & (targets < self.num_outputs)
+    safe = jnp.where(labelled, targets, 0)
+    per_pixel = optax.softmax_cross_entropy_with_integer_labels(outputs, safe)
+    per_pixel = jnp.where(labelled, per_pixel, 0).reshape(per_pixel.shape[0], -1)
+    count = labelled.reshape(labelled.shape[0], -1).sum(-1)
+    return per_pixel.sum(-1) / jnp.maximum(count, 1).astype(per_pixel.dtype)
 
   def loss(self, outputs: Array, targets: Array, mask: Array) -> Array:
     """Mean loss over the valid examples of a batch (``mask [b]``)."""
@@ -111,7 +122,8 @@ class Task:
     * ``classification``: the training set's majority class, always;
     * ``multilabel``: every label present, always (a model that predicts no
       label scores micro-F1 = 0, below this);
-    * ``segmentation``: the training set's most frequent pixel class everywhere.
+    * ``segmentation``: the training set's most frequent pixel class everywhere
+      (void pixels, outside ``[0, num_outputs)``, neither counted nor scored).
 
     Args:
       train_targets: targets of the training set (labels ``[n]``, multi-hot
@@ -122,7 +134,11 @@ class Task:
     mask = jnp.ones(test_targets.shape[0], bool)
     if self.kind == "multilabel":
       return self.metric(jnp.ones(test_targets.shape, jnp.float32), test_targets, mask)
-    counts = jnp.bincount(train_targets.reshape(-1), length=self.num_outputs)
+    flat = train_targets.reshape(-1)
+    labelled = (flat >= 0) & (flat < self.num_outputs)  # void pixels are no class
+    counts = jnp.bincount(
+      jnp.where(labelled, flat, 0), labelled.astype(jnp.int32), length=self.num_outputs
+    )
     outputs = jax.nn.one_hot(jnp.full(test_targets.shape, jnp.argmax(counts)), self.num_outputs)
     return self.metric(outputs, test_targets, mask)
 
