@@ -5,6 +5,9 @@ cifar100 and voc go through ``tfds.data_source`` under ``tfds.testing.mock_data`
 coco_captions' builder imports TensorFlow (tensorflow-datasets 4.9.10), which the
 project does not install, so its reader is fed examples in the numpy layout
 ``data_source`` decodes its prepared folder to (the builder's feature spec).
+coco/2017_panoptic's builder asks TensorFlow only for ``tf.int64``: with numpy's
+int64 in its place ``mock_data`` runs on its real feature spec; its conversion
+is checked on a hand-built panoptic PNG.
 """
 
 import numpy as np
@@ -192,6 +195,8 @@ def test_missing_dataset_is_one_line_naming_the_build_command(tmp_path):
   # coco_captions' builder needs TensorFlow; the message is still the build command.
   with pytest.raises(tfds_data.DatasetError, match=r"tfds build coco_captions/2014 --data_dir="):
     tfds_data.load("coco_captions", data_dir=tmp_path / "tfds")
+  with pytest.raises(tfds_data.DatasetError, match=r"tfds build coco/2017_panoptic --data_dir="):
+    tfds_data.load("coco_panoptic", data_dir=tmp_path / "tfds")
   with pytest.raises(tfds_data.DatasetError, match=r"unknown TFDS dataset 'imagenet'"):
     tfds_data.load("imagenet")
   assert not (tmp_path / "tfds").exists()  # nothing was downloaded or created
@@ -239,3 +244,128 @@ def test_check_data_missing_is_a_config_error(tmp_path):
     ConfigError, match=r"^data: cifar100: no prepared cifar100 under .*tfds build"
   ):
     validation.check_data(config)
+
+
+# --- coco_panoptic: semantic masks from COCO 2017's panoptic annotations -------------
+
+
+def _png(ids):
+  """Segment ids ``[H, W]`` -> the panoptic PNG ``uint8 [H, W, 3]`` (id = R + 256 G + 256^2 B)."""
+  ids = np.asarray(ids, np.int64)
+  return np.stack([ids % 256, ids // 256 % 256, ids // 65536], axis=-1).astype(np.uint8)
+
+
+# Three segments: a thing (person, 0), a crowd of a thing (car, 2) and a stuff class (100),
+# with ids that need all three channels; 0 is COCO's unlabelled pixel, 7 is in no segment.
+PERSON, CROWD, STUFF, UNLISTED = 513, 5, 7 + 65536, 7
+PANOPTIC_IDS = np.array(
+  [
+    [PERSON, PERSON, 0, STUFF],
+    [PERSON, CROWD, CROWD, STUFF],
+    [0, UNLISTED, STUFF, STUFF],
+    [PERSON, 0, STUFF, STUFF],
+  ]
+)
+V = tfds_data.VOID
+SEMANTIC = np.array(
+  [
+    [0, 0, V, 100],
+    [0, 2, 2, 100],
+    [V, V, 100, 100],
+    [0, V, 100, 100],
+  ]
+)
+
+
+def _panoptic_example(ids, objects):
+  """One example as ``data_source`` decodes coco/2017_panoptic (the builder's feature spec)."""
+  h, w = np.shape(ids)
+  return {
+    "image": np.full((h, w, 3), 200, np.uint8),
+    "image/filename": "0.jpg",
+    "image/id": 0,
+    "panoptic_image": _png(ids),
+    "panoptic_image/filename": "0.png",
+    "panoptic_objects": {
+      "id": np.array([o[0] for o in objects], np.int64),
+      "area": np.zeros(len(objects), np.int64),
+      "bbox": np.zeros((len(objects), 4), np.float32),
+      "label": np.array([o[1] for o in objects], np.int64),
+      "is_crowd": np.array([o[2] for o in objects], bool),
+    },
+  }
+
+
+PANOPTIC_OBJECTS = [(STUFF, 100, False), (PERSON, 0, False), (CROWD, 2, True)]
+
+
+def test_panoptic_png_to_semantic_mask():
+  png = _png(PANOPTIC_IDS)
+  np.testing.assert_array_equal(tfds_data.panoptic_ids(png), PANOPTIC_IDS)
+  ids, labels, _ = zip(*PANOPTIC_OBJECTS, strict=True)
+  mask = tfds_data.panoptic_to_semantic(png, ids, labels)
+  assert mask.dtype == np.int32
+  np.testing.assert_array_equal(mask, SEMANTIC)
+  # No segment at all: every pixel void; misaligned ids and labels are refused.
+  np.testing.assert_array_equal(tfds_data.panoptic_to_semantic(png, [], []), np.full((4, 4), V))
+  with pytest.raises(ValueError, match=r"3 segment ids but 2 labels"):
+    tfds_data.panoptic_to_semantic(png, ids, labels[:2])
+
+
+def test_coco_panoptic_reader_on_a_built_example(monkeypatch):
+  example = _panoptic_example(PANOPTIC_IDS, PANOPTIC_OBJECTS)
+  monkeypatch.setattr(tfds_data, "data_source", lambda name, **kwargs: [example] * 2)
+  coco = tfds_data.load("coco_panoptic", image_size=4)
+  assert set(coco) == {"image", "mask"}  # the world's ss task's keys
+  assert coco["mask"].shape == (2, 4, 4) and coco["mask"].dtype == np.int32
+  np.testing.assert_array_equal(coco["mask"][1], SEMANTIC)
+  # Halved with nearest neighbour: the pixel under each centre, rows and columns 1 and 3.
+  small = tfds_data.load("coco_panoptic", image_size=2, limit=1)
+  np.testing.assert_array_equal(small["mask"][0], SEMANTIC[1::2, 1::2])
+  assert small["image"].shape == (1, 2, 2, 3) and small["image"].dtype == np.float32
+
+
+def test_resize_mask_keeps_only_its_labels():
+  rng = np.random.default_rng(0)
+  mask = rng.choice(np.array([0, 5, 132, V]), (37, 23))
+  for size in (1, 7, 16, 50, 224):
+    out = tfds_data.resize_mask(mask, size)
+    assert out.shape == (size, size) and out.dtype == np.int32
+    assert set(np.unique(out)) <= {0, 5, 132, V}
+  # Integer factors: up-sampling repeats pixels, down-sampling keeps each block's centre.
+  square = rng.choice(np.array([1, 2, 3, V]), (12, 12))
+  np.testing.assert_array_equal(tfds_data.resize_mask(square, 12), square)
+  np.testing.assert_array_equal(tfds_data.resize_mask(square, 36), square.repeat(3, 0).repeat(3, 1))
+  np.testing.assert_array_equal(tfds_data.resize_mask(square, 4), square[1::3, 1::3])
+  np.testing.assert_array_equal(tfds_data.resize_mask(square, 3), square[2::4, 2::4])
+
+
+@pytest.fixture
+def mock_coco_panoptic(monkeypatch):
+  """``mock_data`` for coco/2017_panoptic, whose builder asks TensorFlow for one dtype.
+
+  tensorflow-datasets 4.9.10's ``Coco._info`` writes ``'image/id': tf.int64`` (the only
+  TensorFlow it needs for its feature spec); numpy's int64 stands in, so the mock draws
+  examples from the builder's real features without TensorFlow.
+  """
+  coco = pytest.importorskip("tensorflow_datasets.object_detection.coco")
+  monkeypatch.setattr(coco, "tf", type("tf", (), {"int64": np.int64}))
+  with tfds.testing.mock_data(num_examples=NUM_EXAMPLES, policy=tfds.testing.MockPolicy.USE_CODE):
+    yield
+
+
+def test_coco_panoptic_feature_spec_and_mock_data(mock_coco_panoptic):
+  features = tfds.builder("coco/2017_panoptic").info.features
+  objects = features["panoptic_objects"].feature
+  assert objects["label"].num_classes == tfds_data.NUM_COCO_PANOPTIC_CLASSES
+  assert {"id", "label", "is_crowd"} <= set(objects.keys())
+  assert features["panoptic_image"].shape == (None, None, 3)
+  reader = tfds_data.READERS["coco_panoptic"]
+  assert reader.classes == {"mask": 133} and reader.splits == ("train", "validation")
+  for split in reader.splits:
+    coco = tfds_data.load("coco_panoptic", split=split, image_size=16, limit=5)
+    assert set(coco) == {"image", "mask"}
+    assert coco["image"].shape == (5, 16, 16, 3) and coco["image"].dtype == np.float32
+    assert coco["mask"].shape == (5, 16, 16) and coco["mask"].dtype == np.int32
+    labelled = coco["mask"][coco["mask"] != V]
+    assert ((0 <= labelled) & (labelled < 133)).all()

@@ -1,7 +1,7 @@
 """The papers' real datasets through TFDS, in the world's dict-of-arrays interface.
 
 FedMuscle, CreamFL and FedSCMR train on CIFAR-10/100, PASCAL VOC, MS-COCO
-(captions) and AG News, among others. TensorFlow Datasets prepares them once (``tfds build``, on a machine
+(captions, panoptic segmentation) and AG News, among others. TensorFlow Datasets prepares them once (``tfds build``, on a machine
 with TensorFlow and a network) as ArrayRecord files; this module reads them with
 ``tfds.data_source`` (random access, decoded to numpy, no TensorFlow at run time)
 and returns the same dict of numpy arrays as :func:`fedjax_mm.data.world.generate`,
@@ -21,12 +21,24 @@ bilinearly and scaled to ``float32`` in ``[0, 1]``, the world's layout):
   ``label20 int32 [n]`` (the coarse superclass).
 * ``voc`` (TFDS ``voc/2012``): ``image``, ``multilabel float32 [n, 20]`` (the
   object classes present). TFDS's VOC is the *detection* set: it has boxes, no
-  segmentation masks, so it cannot feed a segmentation task (FedMuscle's ``ss``).
+  segmentation masks, so it cannot feed a segmentation task (FedMuscle's ``ss``:
+  ``coco_panoptic`` does).
 * ``coco_captions`` (TFDS ``coco_captions/2014``: the Karpathy splits ``train``,
   ``restval``, ``val``, ``test``): ``image``, ``caption int32 [n, C, L]`` (the
   first ``C`` captions, cycled when an image has fewer, through ``tokenizer``),
   ``multilabel float32 [n, 80]`` (the object classes present). Without a
   ``tokenizer`` the captions are left out.
+* ``coco_panoptic`` (TFDS ``coco/2017_panoptic``: ``train``, 118,287 images, and
+  ``validation``, 5,000; COCO's test masks are not public): ``image`` and ``mask
+  int32 [n, S, S]``, each pixel's semantic class in ``[0, 133)`` (TFDS's
+  ``panoptic_objects/label``, the order of COCO's panoptic category list: the 80
+  thing classes ``0..79``, then the 53 stuff classes ``80..132``), or :data:`VOID` (255)
+  where no segment lies (segment id 0). Crowd segments keep their class (a crowd
+  is one region of a thing class; semantic masks need no instances). Void is
+  ignored by the segmentation task's loss and mIoU (:class:`fedjax_mm.core.Task`);
+  the mask is resized with nearest neighbour (:func:`resize_mask`), so it holds
+  only labels present before. :func:`panoptic_to_semantic` converts; FedMuscle's
+  Setup2 SS users (semantic segmentation on COCO) read it.
 
 * ``ag_news_subset`` (AG News, CreamFL's text clients): ``caption int32 [n, 1, L]``
   (title and description, through ``tokenizer``, which it requires) and
@@ -40,8 +52,8 @@ precomputed features from an ``.npz`` (``experiments/fedscmr.py:paper``).
 (:func:`num_examples` says how many there are): the arrays are decoded into
 memory (COCO's 113k training images at ``S = 224`` would be 68 GB of float32).
 Each reader names the labelled splits a runner trains and tests on
-(:attr:`Reader.splits`: ``validation`` is VOC's test set) and its classes per
-label key (:attr:`Reader.classes`). FedMuscle's runner reads its users' sets and
+(:attr:`Reader.splits`: ``validation`` is VOC's and COCO panoptic's test set) and
+its classes per label key (:attr:`Reader.classes`). FedMuscle's runner reads its users' sets and
 public set this way when ``config.data.source = "tfds"``
 (:func:`fedjax_mm.runner.fedmuscle._tfds_sets`).
 
@@ -54,8 +66,9 @@ TFDS) holds ``<name>[/<config>]/<version>/`` with ``dataset_info.json`` and the
   tfds build cifar100 --data_dir=DIR --file_format=array_record
 
 A prepared folder is opened with ``tfds.builder_from_directory``, which reads its
-metadata and does not run the builder's code, so ``coco_captions`` (whose builder
-imports TensorFlow in tensorflow-datasets 4.9.10) needs no TensorFlow to be read.
+metadata and does not run the builder's code, so ``coco_captions`` and
+``coco_panoptic`` (whose builders import TensorFlow in tensorflow-datasets 4.9.10)
+need no TensorFlow to be read.
 That path is not exercised by the tests: writing a folder with images needs
 TensorFlow, which the project does not install.
 
@@ -95,6 +108,11 @@ NUM_CIFAR100_CLASSES = 100
 NUM_CIFAR100_SUPERCLASSES = 20
 NUM_VOC_CLASSES = 20
 NUM_COCO_CLASSES = 80
+#: COCO panoptic's classes: 80 things then 53 stuff (TFDS ``panoptic_objects/label``).
+NUM_COCO_PANOPTIC_CLASSES = 133
+#: A mask's value where no class lies (COCO panoptic's unlabelled pixels): outside every
+#: task's ``[0, num_outputs)``, so the loss and mIoU skip it (255 as VOC's boundary label).
+VOID = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +147,63 @@ def resize_image(image: np.ndarray, size: int) -> np.ndarray:
   if image.shape[:2] != (size, size):
     image = np.asarray(Image.fromarray(image).resize((size, size), Image.Resampling.BILINEAR))
   return image.astype(np.float32) / 255.0
+
+
+def resize_mask(mask: np.ndarray, size: int) -> np.ndarray:
+  """``int [H, W]`` class ids -> ``int32 [size, size]``, nearest neighbour.
+
+  Output pixel ``(i, j)`` takes the source pixel under its centre, row
+  ``floor((i + 1/2) H / size)`` (PIL's ``NEAREST``), so no value is invented: a
+  mask keeps only its own labels (and :data:`VOID`), which interpolation would mix.
+  """
+  mask = np.asarray(mask)
+  if mask.ndim != 2:
+    raise ValueError(f"a mask is [H, W], got shape {mask.shape}.")
+  h, w = mask.shape
+  rows = np.minimum(((np.arange(size) + 0.5) * h / size).astype(np.int64), h - 1)
+  cols = np.minimum(((np.arange(size) + 0.5) * w / size).astype(np.int64), w - 1)
+  return mask[rows[:, None], cols[None, :]].astype(np.int32)
+
+
+def panoptic_ids(png: np.ndarray) -> np.ndarray:
+  """A COCO panoptic PNG ``uint8 [H, W, 3]`` -> segment ids ``int64 [H, W]``: ``R + 256 G + 256^2 B``."""
+  rgb = np.asarray(png).astype(np.int64)
+  if rgb.ndim != 3 or rgb.shape[-1] != 3:
+    raise ValueError(f"a panoptic PNG is [H, W, 3], got shape {rgb.shape}.")
+  return rgb[..., 0] + 256 * rgb[..., 1] + 256 * 256 * rgb[..., 2]
+
+
+def panoptic_to_semantic(
+  png: np.ndarray,
+  segment_ids: Sequence[int] | np.ndarray,
+  labels: Sequence[int] | np.ndarray,
+  *,
+  void: int = VOID,
+) -> np.ndarray:
+  """A panoptic annotation -> its semantic mask: each pixel's segment's class.
+
+  Args:
+    png: ``uint8 [H, W, 3]``, the panoptic PNG (:func:`panoptic_ids` decodes it).
+    segment_ids: ``int [K]``, the segments' ids (``panoptic_objects/id``).
+    labels: ``int [K]``, their classes (``panoptic_objects/label``), aligned.
+    void: the value of pixels in no listed segment, id 0 (unlabelled) included.
+
+  Returns:
+    ``int32 [H, W]``. A repeated id (never in COCO) takes its first listed class.
+  """
+  ids = panoptic_ids(png)
+  segment_ids = np.asarray(segment_ids, np.int64).reshape(-1)
+  labels = np.asarray(labels, np.int64).reshape(-1)
+  if segment_ids.shape != labels.shape:
+    raise ValueError(f"{segment_ids.size} segment ids but {labels.size} labels.")
+  if segment_ids.size == 0:
+    return np.full(ids.shape, void, np.int32)
+  # A sorted lookup: O(pixels log K), not one pass over the image per segment.
+  order = np.argsort(segment_ids, kind="stable")
+  known = segment_ids[order]
+  at = np.minimum(np.searchsorted(known, ids), known.size - 1)
+  hit = (known[at] == ids) & (ids != 0)
+  return np.where(hit, labels[order][at], void).astype(np.int32)
 
 
 def multi_hot(labels: Sequence[int] | np.ndarray, num_classes: int) -> np.ndarray:
@@ -182,6 +257,21 @@ def _coco_captions(example, image_size, tokenizer, captions_per_image):
   return out
 
 
+def _coco_panoptic(example, image_size, tokenizer, captions_per_image):
+  del tokenizer, captions_per_image
+  objects = example["panoptic_objects"]
+  ids = np.asarray(objects["id"]).reshape(-1)
+  labels = np.asarray(objects["label"]).reshape(-1)
+  # One entry per segment in a prepared folder; TFDS's random mock examples draw each
+  # field's length on its own, so pair the first ones.
+  num = min(ids.size, labels.size)
+  semantic = panoptic_to_semantic(example["panoptic_image"], ids[:num], labels[:num])
+  return {
+    "image": resize_image(example["image"], image_size),
+    "mask": resize_mask(semantic, image_size),
+  }
+
+
 def _ag_news(example, image_size, tokenizer, captions_per_image):
   del image_size, captions_per_image
   text = f"{_text(example['title'])}. {_text(example['description'])}"
@@ -214,6 +304,15 @@ READERS: dict[str, Reader] = {
     _coco_captions,
     ("image", "multilabel", "caption"),
     {"multilabel": NUM_COCO_CLASSES},
+  ),
+  # COCO 2017 panoptic: train (118,287 images) and validation (5,000; the test masks
+  # are not public).
+  "coco_panoptic": Reader(
+    "coco/2017_panoptic",
+    _coco_panoptic,
+    ("image", "mask"),
+    {"mask": NUM_COCO_PANOPTIC_CLASSES},
+    ("train", "validation"),
   ),
   "ag_news_subset": Reader(
     "ag_news_subset",
@@ -313,7 +412,7 @@ def load(
 
   Args:
     name: a key of :data:`READERS` (``cifar10``, ``cifar100``, ``voc``, ``coco_captions``,
-      ``ag_news_subset``).
+      ``coco_panoptic``, ``ag_news_subset``).
     split: a TFDS split string (``"train"``, ``"validation"``, ``"train[:10%]"``).
     data_dir: the TFDS data folder (default :func:`default_data_dir`).
     limit: keep the first ``limit`` examples (None: all of them).
@@ -396,11 +495,13 @@ __all__ = [
   "NUM_CIFAR100_CLASSES",
   "NUM_CIFAR100_SUPERCLASSES",
   "NUM_COCO_CLASSES",
+  "NUM_COCO_PANOPTIC_CLASSES",
   "NEEDS_TOKENIZER",
   "NUM_VOC_CLASSES",
   "READERS",
   "Reader",
   "Tokenizer",
+  "VOID",
   "build_command",
   "data_source",
   "default_data_dir",
@@ -408,6 +509,9 @@ __all__ = [
   "load",
   "multi_hot",
   "num_examples",
+  "panoptic_ids",
+  "panoptic_to_semantic",
   "prepared_folder",
   "resize_image",
+  "resize_mask",
 ]
