@@ -1,5 +1,6 @@
 """Trivial baselines of every task kind, against scikit-learn's and a direct count."""
 
+import jax
 import numpy as np
 import pytest
 from sklearn.dummy import DummyClassifier
@@ -67,3 +68,7 @@ def test_segmentation_ignores_void_pixels():
   threes, present = np.full(labels[~void].shape, 3), np.union1d(labels[~void], [3])
   expected = jaccard_score(labels[~void], threes, average="macro", labels=present)
   assert got == pytest.approx(expected, abs=1e-6)
+  # The gradient is finite and void pixels get none.
+  grad = np.asarray(jax.grad(lambda o: task.loss(o, masked, np.ones(3, bool)))(logits))
+  assert np.isfinite(grad).all()
+  assert not grad[void].any() and grad[~void].any()
