@@ -178,7 +178,6 @@ def validate(config) -> tuple[User, ...]:
       raise ConfigError(
         f"{u.name} needs {modality} in the public set, which has only {tuple(config.public.modalities)}."
       )
-  text_tokenizer(users)  # one token space for every text user
   try:
     _muscle_config(config).validate(len(users))
   except ValueError as e:
@@ -265,18 +264,35 @@ def _tfds_reads(config, users: Sequence[User], methods: Sequence[str]) -> list[t
         f"{', '.join(reader.keys)})."
       )
   reads.append((block.public, reader.splits[0]))
-  texts = any(TASKS[u.task][1] == "caption" for u in users) or "text" in config.public.modalities
-  if texts and text_tokenizer(users) is None:
+  spaces = text_spaces(users)
+  texts = bool(spaces) or "text" in config.public.modalities
+  if texts and (not spaces or None in spaces):
     raise ConfigError(
       "data.source='tfds' reads English text, which needs the tokenizer of an hf: text "
-      "encoder: give the text users one (or drop text from public.modalities)."
+      "encoder: give every text user one (or drop text from public.modalities)."
     )
   return reads
 
 
-def text_tokenizer(users: Sequence[User]) -> str | None:
-  """The ``hf:`` checkpoint whose tokenizer every caption goes through, or None (the world's ids)."""
-  return text_lib.shared_tokenizer(u.encoder for u in users if TASKS[u.task][1] == "caption")
+def _reads_text(u: User) -> bool:
+  return TASKS[u.task][1] == "caption"
+
+
+def text_spaces(users: Sequence[User]) -> tuple[str | None, ...]:
+  """The token spaces the text users read (:func:`fedjax_mm.runner.text.token_spaces`).
+
+  Each is held as its own tokenisation of the same captions, the public set's once per
+  space; None is the world's ids, a checkpoint's name its tokenizer's.
+  """
+  return text_lib.token_spaces(u.encoder for u in users if _reads_text(u))
+
+
+def _own_captions(u: User, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A text user's set with the captions of its own token space only (others' dropped)."""
+  if not _reads_text(u):
+    return arrays
+  own = text_lib.caption_key(text_lib.token_space(u.encoder))
+  return {k: v for k, v in arrays.items() if k == own or not core.tasks.is_caption_key(k)}
 
 
 def _muscle_config(config) -> fedmuscle.MuscleConfig:
@@ -291,9 +307,13 @@ def _user_data(config, users: Sequence[User]):
   """
   sets = _tfds_sets if data_source(config) == "tfds" else _world_sets
   train, test, public = sets(config, users)
-  public = {
-    _MODALITY_KEY[m]: jnp.asarray(public[_MODALITY_KEY[m]]) for m in config.public.modalities
-  }
+  keys = []
+  for m in config.public.modalities:
+    if m == "text":  # once per token space the text users read (the world's if none)
+      keys += [text_lib.caption_key(s) for s in text_spaces(users) or (None,)]
+    else:
+      keys.append(_MODALITY_KEY[m])
+  public = {k: jnp.asarray(public[k]) for k in keys}
   return dict(sorted(train)), dict(sorted(test)), public
 
 
@@ -315,11 +335,11 @@ def _world_sets(config, users: Sequence[User]):
       test.append((u.index, data.take(pool, np.arange(start, start + config.test_size))))
       start += config.test_size
   public = data.generate(seed * 1000 + 1, config.public.size, shift=config.public.shift)
-  checkpoint = text_tokenizer(users)
-  if checkpoint is not None:  # every caption in the checkpoint's token space
-    for _, d in (*train, *test):
-      d["caption"] = text_lib.retokenize(d["caption"], checkpoint)
-    public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
+  # Each text user's captions in its own token space; the public set's in every one read.
+  space = {u.index: (text_lib.token_space(u.encoder),) for u in users if _reads_text(u)}
+  train = [(i, text_lib.in_spaces(d, space.get(i, ()))) for i, d in train]
+  test = [(i, text_lib.in_spaces(d, space.get(i, ()))) for i, d in test]
+  public = text_lib.in_spaces(public, text_spaces(users))
   return train, test, public
 
 
@@ -334,12 +354,14 @@ def _tfds_sets(config, users: Sequence[User]):
   shares no example with a task that reads the same split. A pool smaller than
   what is asked of it is shared in proportion (each set at least one example:
   else :class:`ConfigError`). Images are resized to ``data.image_size``; text
-  goes through the hf: text encoders' tokenizer.
+  goes through the tokenizer of every hf: checkpoint the text users read, each
+  under its own key (:func:`fedjax_mm.runner.text.caption_key`; a text user
+  keeps its own), from one read of the dataset.
   """
   block = config.data
   data_dir, limit = block.get("data_dir") or None, block.get("limit") or None
-  checkpoint = text_tokenizer(users)
-  tokenizer = tfds_data.hf_tokenizer(checkpoint, text_lib.HF_MAX_LEN) if checkpoint else None
+  spaces = text_spaces(users)  # checkpoints only: _tfds_reads refuses the world's ids
+  tokenizer = text_lib.joint_tokenizer(spaces) if spaces else None
   wants: dict[tuple[str, str], list[tuple[tuple[str, int], int]]] = {}
   by_task: dict[str, list[User]] = {}
   for u in users:
@@ -377,6 +399,7 @@ def _tfds_sets(config, users: Sequence[User]):
       tokenizer=tokenizer if texts else None,
       indices=indices,
     )
+    arrays = text_lib.split_joint(arrays, spaces)
     for (who, _), a, b in zip(asked, bounds[:-1], bounds[1:], strict=True):
       sets[who] = data.take(arrays, np.arange(a, b))
   public = sets.pop(("public", -1))
@@ -392,8 +415,8 @@ def _tfds_sets(config, users: Sequence[User]):
         f"the public set read has {num_public} examples (data.limit={block.limit}), fewer "
         f"than {what}: {n}."
       )
-  train = [(i, d) for (kind, i), d in sets.items() if kind == "train"]
-  test = [(i, d) for (kind, i), d in sets.items() if kind == "test"]
+  train = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "train"]
+  test = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "test"]
   return train, test, public
 
 
@@ -652,8 +675,14 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
 
 
 def _task(u: User, config=None) -> core.Task:
-  """A user's task (what :func:`build` gives its group); ``config`` None: on the world."""
+  """A user's task (what :func:`build` gives its group); ``config`` None: on the world.
+
+  A text user reads the captions of its token space (``caption`` for the world's ids,
+  ``caption:<checkpoint>`` for an hf: encoder's), in its own sets and in the public set.
+  """
   kind, input_key, target_key, _, _ = TASKS[u.task]
+  if input_key == "caption":
+    input_key = text_lib.caption_key(text_lib.token_space(u.encoder))
   return core.Task(kind, input_key, target_key, _outputs(config, u.task))
 
 
