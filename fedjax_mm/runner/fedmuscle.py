@@ -162,6 +162,7 @@ def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDMUSCLE)
   validation.check_client_map(config)
+  test_sizes(config)
   faults = validation.check_faults(config)
   methods = methods_of(config)
   if faults.enabled and set(methods) - {"fedmuscle", "local"}:
@@ -213,6 +214,26 @@ def validate(config) -> tuple[User, ...]:
   tfds = data_source(config) == "tfds"
   validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
   return users
+
+
+def test_sizes(config) -> dict[str, int]:
+  """Each task's test set size: ``config.test_sizes.<task>``, or ``config.test_size`` where unset.
+
+  The paper tests each task on its own number of samples; ``test_sizes`` maps a task of
+  :data:`TASKS` to a positive int (None, or a config without the block: ``test_size``).
+  Raises :class:`ConfigError` for an unknown task or a size that is not a positive int.
+  """
+  block = config.get("test_sizes") if hasattr(config, "get") else None
+  given = {} if block is None else dict(block.to_dict() if hasattr(block, "to_dict") else block)
+  unknown = sorted(set(given) - set(TASKS))
+  if unknown:
+    raise ConfigError(
+      f"test_sizes: unknown task {', '.join(map(repr, unknown))}; known: {', '.join(TASKS)}."
+    )
+  for task, size in given.items():
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+      raise ConfigError(f"test_sizes.{task} must be an int >= 1 (or None), got {size!r}.")
+  return {t: config.test_size if given.get(t) is None else given[t] for t in TASKS}
 
 
 def data_source(config) -> str:
@@ -324,16 +345,17 @@ def _world_sets(config, users: Sequence[User]):
   by_task: dict[str, list[User]] = {}
   for u in users:
     by_task.setdefault(u.task, []).append(u)
-  for t, (_, members) in enumerate(sorted(by_task.items())):
+  for t, (task, members) in enumerate(sorted(by_task.items())):
     sizes = [config.users[u.index]["train_size"] for u in members]
-    pool = data.generate(seed * 1000 + 10 + t, sum(sizes) + config.test_size * len(members))
+    test_size = test_sizes(config)[task]
+    pool = data.generate(seed * 1000 + 10 + t, sum(sizes) + test_size * len(members))
     start = 0
     for u, n in zip(members, sizes, strict=True):
       train.append((u.index, data.take(pool, np.arange(start, start + n))))
       start += n
     for u in members:
-      test.append((u.index, data.take(pool, np.arange(start, start + config.test_size))))
-      start += config.test_size
+      test.append((u.index, data.take(pool, np.arange(start, start + test_size))))
+      start += test_size
   public = data.generate(seed * 1000 + 1, config.public.size, shift=config.public.shift)
   # Each text user's captions in its own token space; the public set's in every one read.
   space = {u.index: (text_lib.token_space(u.encoder),) for u in users if _reads_text(u)}
@@ -349,7 +371,8 @@ def _tfds_sets(config, users: Sequence[User]):
   Every ``(dataset, split)`` is read once. Its first ``data.limit`` examples (0:
   all) form a pool, shuffled by a key of the seed, the dataset and the split; the
   users of a task take consecutive, disjoint slices of it (their ``train_size``
-  from the task's train split, ``test_size`` from its test split), and the public
+  from the task's train split, its task's test size (:func:`test_sizes`) from its
+  test split), and the public
   set (``public.size``) the next slice of ``data.public``'s train split, so it
   shares no example with a task that reads the same split. A pool smaller than
   what is asked of it is shared in proportion (each set at least one example:
@@ -373,7 +396,8 @@ def _tfds_sets(config, users: Sequence[User]):
       size = config.users[u.index]["train_size"]
       wants.setdefault((name, train_split), []).append((("train", u.index), size))
     for u in members:
-      wants.setdefault((name, test_split), []).append((("test", u.index), config.test_size))
+      size = test_sizes(config)[task]
+      wants.setdefault((name, test_split), []).append((("test", u.index), size))
   public_read = (block.public, tfds_data.READERS[block.public].splits[0])
   wants.setdefault(public_read, []).append((("public", -1), config.public.size))
   sets = {}
