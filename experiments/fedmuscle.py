@@ -83,7 +83,7 @@ from experiments.faults import faults_config
 
 #: The tasks a user may have (fedjax_mm.runner.fedmuscle.TASKS).
 TASKS = ("mlc", "ic100", "ic10", "ss", "tc")
-#: The paper's test set size of each task (Sec. 6).
+#: The paper's test set size of each task.
 PAPER_TEST_SIZES = {"mlc": 4000, "ic100": 2000, "ic10": 1000, "ss": 3000, "tc": 5000}
 
 
