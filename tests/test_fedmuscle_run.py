@@ -5,6 +5,7 @@ import signal
 import time
 
 import experiment_main
+import ml_collections
 import pytest
 
 from experiments import fedmuscle as fedmuscle_config
@@ -25,6 +26,7 @@ CONFIG = "experiments/fedmuscle.py:smoke"
     ("--config.pretrained=nope", "no pretrained checkpoint 'nope/cnn_s'"),
     ("--config.lora_rank=-1", "lora_rank"),
     ("--config.fine_tune=lora", "fine_tune must be one of adapters, full"),
+    ("--config.test_sizes.ic10=0", "test_sizes.ic10 must be >= 1, got 0"),
   ],
 )
 def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, message):
@@ -44,6 +46,31 @@ def test_unknown_model_and_task_names():
   config.users[1]["task"] = "detection"
   with pytest.raises(runner.ConfigError, match="unknown task 'detection'"):
     runner.validate(config)
+
+
+def test_each_task_has_its_own_test_size():
+  config = fedmuscle_config.get_config("smoke")
+  config.users = [*config.users, dict(config.users[0])]  # two MLC users share a task's pool
+  config.test_sizes.mlc = 5
+  config.test_sizes.ic10 = 7
+  users = runner.validate(config)
+  assert runner.test_sizes(config) == {"mlc": 5, "ic100": 24, "ic10": 7, "ss": 24, "tc": 24}
+  _, test, _ = runner._user_data(config, users)
+  assert [len(test[u.index]["image"]) for u in users] == [5, 7, 24, 5]
+  # The MLC users' test sets are disjoint slices of their task's pool.
+  a, b = (test[u.index]["image"].reshape(5, -1) for u in users if u.task == "mlc")
+  assert not {r.tobytes() for r in a} & {r.tobytes() for r in b}
+  # Unset, every task falls back to test_size; the paper's sizes are set per task.
+  assert set(runner.test_sizes(fedmuscle_config.get_config("smoke")).values()) == {24}
+  paper = runner.test_sizes(fedmuscle_config.get_config("paper_setup2"))
+  assert paper == {"mlc": 4000, "ic100": 2000, "ic10": 1000, "ss": 3000, "tc": 5000}
+  bad = fedmuscle_config.get_config("smoke")
+  bad.test_sizes.detection = 3
+  with pytest.raises(runner.ConfigError, match=r"^test_sizes: unknown task 'detection'"):
+    runner.validate(bad)
+  bad.test_sizes = ml_collections.ConfigDict({"mlc": 2.5})  # a hand-written config
+  with pytest.raises(runner.ConfigError, match=r"^test_sizes\.mlc must be an int >= 1"):
+    runner.test_sizes(bad)
 
 
 def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):

@@ -191,16 +191,18 @@ def test_text_users_read_ag_news_through_their_checkpoints_tokenizer(mock_tfds, 
   train, test, public = runner._user_data(config, users)
   tc = users[-1].index
   length = text_lib.HF_MAX_LEN
-  assert set(train[tc]) == {"caption", "caption_label"}
-  assert train[tc]["caption"].shape == (8, 1, length) and len(test[tc]["caption"]) == LIMIT
-  assert train[tc]["caption"].dtype == np.int32 and train[tc]["caption_label"].max() < 4
+  key = text_lib.caption_key("hf:all-MiniLM-L6-v2")  # the captions of its token space
+  assert runner._task(users[-1], config).input_key == key
+  assert set(train[tc]) == {key, "caption_label"}
+  assert train[tc][key].shape == (8, 1, length) and len(test[tc][key]) == LIMIT
+  assert train[tc][key].dtype == np.int32 and train[tc]["caption_label"].max() < 4
   assert runner._task(users[-1], config).num_outputs == 4  # AG News's topics
   # The public set: images and every caption (5, cycled) in the same token space.
-  assert set(public) == {"image", "caption"}
-  assert public["caption"].shape == (len(public["image"]), 5, length)
+  assert set(public) == {"image", key}
+  assert public[key].shape == (len(public["image"]), 5, length)
   tokenize = tfds_data.hf_tokenizer("hf:all-MiniLM-L6-v2", max_len=length)
   expected = {tuple(tokenize([f"a red circle number {i}"])[0]) for i in range(NUM_EXAMPLES)}
-  assert {tuple(c) for c in np.asarray(public["caption"])[:, 0]} <= expected
+  assert {tuple(c) for c in np.asarray(public[key])[:, 0]} <= expected
   # Zoo text encoders read the world's ids, not English: refused.
   config.users[-1]["encoder"] = "transformer_t"
   with pytest.raises(ConfigError, match=r"needs the tokenizer of an hf: text encoder"):

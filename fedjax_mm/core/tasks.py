@@ -13,9 +13,12 @@ kind                outputs                loss                         metric
 ``segmentation``    logits ``[b,H,W,C]``   per-pixel softmax CE         mIoU
 ==================  =====================  ===========================  ===========
 
-Text tasks are classification tasks whose input is ``caption``: the data holds
+Text tasks are classification tasks whose input is a caption key: the data holds
 several captions per sample ``[n, C, L]``; training picks one at random per
-sample and step, evaluation uses the first.
+sample and step, evaluation uses the first. ``caption`` holds them as the world's
+token ids; ``caption:<space>`` holds the same captions in another token space (an
+``hf:`` checkpoint's ids, :mod:`fedjax_mm.runner.text`), so users of different
+tokenizers read one data dict (the public set) each through its own key.
 
 Segmentation masks may hold pixels of no class (COCO panoptic's unlabelled
 pixels, :data:`fedjax_mm.data.tfds.VOID` = 255): a pixel whose label lies outside
@@ -41,6 +44,15 @@ KINDS = ("classification", "multilabel", "segmentation")
 METRIC_NAMES = {"classification": "accuracy", "multilabel": "micro_f1", "segmentation": "mIoU"}
 
 
+#: The data key of captions as the world's token ids.
+CAPTION_KEY = "caption"
+
+
+def is_caption_key(key: str) -> bool:
+  """Whether a data key holds captions: ``caption`` or ``caption:<token space>``."""
+  return key == CAPTION_KEY or key.startswith(CAPTION_KEY + ":")
+
+
 def masked_mean(values: Array, mask: Array) -> Array:
   """Mean of ``values [b]`` over ``mask [b]``; 0 when nothing is valid."""
   mask = mask.astype(values.dtype)
@@ -53,7 +65,8 @@ class Task:
 
   Attributes:
     kind: one of :data:`KINDS`.
-    input_key: data key of the model input, ``"image"`` or ``"caption"``.
+    input_key: data key of the model input, ``"image"`` or a caption key
+      (``"caption"``, ``"caption:<token space>"``: :func:`is_caption_key`).
     target_key: data key of the target, e.g. ``"label10"``, ``"multilabel"``,
       ``"mask"``, ``"caption_label"``.
     num_outputs: number of classes (labels for multi-label).
@@ -72,7 +85,7 @@ class Task:
 
   @property
   def modality(self) -> str:
-    return "text" if self.input_key == "caption" else "image"
+    return "text" if is_caption_key(self.input_key) else "image"
 
   @property
   def metric_name(self) -> str:
@@ -81,7 +94,7 @@ class Task:
   def inputs(self, batch: dict[str, Array], key: Array | None = None) -> Array:
     """Model inputs of a batch; one random caption per sample when ``key``."""
     x = batch[self.input_key]
-    if self.input_key == "caption" and x.ndim == 3:  # [b, C, L]: several captions.
+    if is_caption_key(self.input_key) and x.ndim == 3:  # [b, C, L]: several captions.
       if key is None:
         return x[:, 0]
       choice = jax.random.randint(key, (x.shape[0],), 0, x.shape[1])

@@ -162,6 +162,7 @@ def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDMUSCLE)
   validation.check_client_map(config)
+  test_sizes(config)
   faults = validation.check_faults(config)
   methods = methods_of(config)
   if faults.enabled and set(methods) - {"fedmuscle", "local"}:
@@ -178,7 +179,6 @@ def validate(config) -> tuple[User, ...]:
       raise ConfigError(
         f"{u.name} needs {modality} in the public set, which has only {tuple(config.public.modalities)}."
       )
-  text_tokenizer(users)  # one token space for every text user
   try:
     _muscle_config(config).validate(len(users))
   except ValueError as e:
@@ -214,6 +214,26 @@ def validate(config) -> tuple[User, ...]:
   tfds = data_source(config) == "tfds"
   validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
   return users
+
+
+def test_sizes(config) -> dict[str, int]:
+  """Each task's test set size: ``config.test_sizes.<task>``, or ``config.test_size`` where unset.
+
+  The paper tests each task on its own number of samples; ``test_sizes`` maps a task of
+  :data:`TASKS` to a positive int (None, or a config without the block: ``test_size``).
+  Raises :class:`ConfigError` for an unknown task or a size that is not a positive int.
+  """
+  block = config.get("test_sizes") if hasattr(config, "get") else None
+  given = {} if block is None else dict(block.to_dict() if hasattr(block, "to_dict") else block)
+  unknown = sorted(set(given) - set(TASKS))
+  if unknown:
+    raise ConfigError(
+      f"test_sizes: unknown task {', '.join(map(repr, unknown))}; known: {', '.join(TASKS)}."
+    )
+  for task, size in given.items():
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+      raise ConfigError(f"test_sizes.{task} must be an int >= 1 (or None), got {size!r}.")
+  return {t: config.test_size if given.get(t) is None else given[t] for t in TASKS}
 
 
 def data_source(config) -> str:
@@ -265,18 +285,35 @@ def _tfds_reads(config, users: Sequence[User], methods: Sequence[str]) -> list[t
         f"{', '.join(reader.keys)})."
       )
   reads.append((block.public, reader.splits[0]))
-  texts = any(TASKS[u.task][1] == "caption" for u in users) or "text" in config.public.modalities
-  if texts and text_tokenizer(users) is None:
+  spaces = text_spaces(users)
+  texts = bool(spaces) or "text" in config.public.modalities
+  if texts and (not spaces or None in spaces):
     raise ConfigError(
       "data.source='tfds' reads English text, which needs the tokenizer of an hf: text "
-      "encoder: give the text users one (or drop text from public.modalities)."
+      "encoder: give every text user one (or drop text from public.modalities)."
     )
   return reads
 
 
-def text_tokenizer(users: Sequence[User]) -> str | None:
-  """The ``hf:`` checkpoint whose tokenizer every caption goes through, or None (the world's ids)."""
-  return text_lib.shared_tokenizer(u.encoder for u in users if TASKS[u.task][1] == "caption")
+def _reads_text(u: User) -> bool:
+  return TASKS[u.task][1] == "caption"
+
+
+def text_spaces(users: Sequence[User]) -> tuple[str | None, ...]:
+  """The token spaces the text users read (:func:`fedjax_mm.runner.text.token_spaces`).
+
+  Each is held as its own tokenisation of the same captions, the public set's once per
+  space; None is the world's ids, a checkpoint's name its tokenizer's.
+  """
+  return text_lib.token_spaces(u.encoder for u in users if _reads_text(u))
+
+
+def _own_captions(u: User, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A text user's set with the captions of its own token space only (others' dropped)."""
+  if not _reads_text(u):
+    return arrays
+  own = text_lib.caption_key(text_lib.token_space(u.encoder))
+  return {k: v for k, v in arrays.items() if k == own or not core.tasks.is_caption_key(k)}
 
 
 def _muscle_config(config) -> fedmuscle.MuscleConfig:
@@ -291,9 +328,13 @@ def _user_data(config, users: Sequence[User]):
   """
   sets = _tfds_sets if data_source(config) == "tfds" else _world_sets
   train, test, public = sets(config, users)
-  public = {
-    _MODALITY_KEY[m]: jnp.asarray(public[_MODALITY_KEY[m]]) for m in config.public.modalities
-  }
+  keys = []
+  for m in config.public.modalities:
+    if m == "text":  # once per token space the text users read (the world's if none)
+      keys += [text_lib.caption_key(s) for s in text_spaces(users) or (None,)]
+    else:
+      keys.append(_MODALITY_KEY[m])
+  public = {k: jnp.asarray(public[k]) for k in keys}
   return dict(sorted(train)), dict(sorted(test)), public
 
 
@@ -304,22 +345,23 @@ def _world_sets(config, users: Sequence[User]):
   by_task: dict[str, list[User]] = {}
   for u in users:
     by_task.setdefault(u.task, []).append(u)
-  for t, (_, members) in enumerate(sorted(by_task.items())):
+  for t, (task, members) in enumerate(sorted(by_task.items())):
     sizes = [config.users[u.index]["train_size"] for u in members]
-    pool = data.generate(seed * 1000 + 10 + t, sum(sizes) + config.test_size * len(members))
+    test_size = test_sizes(config)[task]
+    pool = data.generate(seed * 1000 + 10 + t, sum(sizes) + test_size * len(members))
     start = 0
     for u, n in zip(members, sizes, strict=True):
       train.append((u.index, data.take(pool, np.arange(start, start + n))))
       start += n
     for u in members:
-      test.append((u.index, data.take(pool, np.arange(start, start + config.test_size))))
-      start += config.test_size
+      test.append((u.index, data.take(pool, np.arange(start, start + test_size))))
+      start += test_size
   public = data.generate(seed * 1000 + 1, config.public.size, shift=config.public.shift)
-  checkpoint = text_tokenizer(users)
-  if checkpoint is not None:  # every caption in the checkpoint's token space
-    for _, d in (*train, *test):
-      d["caption"] = text_lib.retokenize(d["caption"], checkpoint)
-    public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
+  # Each text user's captions in its own token space; the public set's in every one read.
+  space = {u.index: (text_lib.token_space(u.encoder),) for u in users if _reads_text(u)}
+  train = [(i, text_lib.in_spaces(d, space.get(i, ()))) for i, d in train]
+  test = [(i, text_lib.in_spaces(d, space.get(i, ()))) for i, d in test]
+  public = text_lib.in_spaces(public, text_spaces(users))
   return train, test, public
 
 
@@ -329,17 +371,20 @@ def _tfds_sets(config, users: Sequence[User]):
   Every ``(dataset, split)`` is read once. Its first ``data.limit`` examples (0:
   all) form a pool, shuffled by a key of the seed, the dataset and the split; the
   users of a task take consecutive, disjoint slices of it (their ``train_size``
-  from the task's train split, ``test_size`` from its test split), and the public
+  from the task's train split, its task's test size (:func:`test_sizes`) from its
+  test split), and the public
   set (``public.size``) the next slice of ``data.public``'s train split, so it
   shares no example with a task that reads the same split. A pool smaller than
   what is asked of it is shared in proportion (each set at least one example:
   else :class:`ConfigError`). Images are resized to ``data.image_size``; text
-  goes through the hf: text encoders' tokenizer.
+  goes through the tokenizer of every hf: checkpoint the text users read, each
+  under its own key (:func:`fedjax_mm.runner.text.caption_key`; a text user
+  keeps its own), from one read of the dataset.
   """
   block = config.data
   data_dir, limit = block.get("data_dir") or None, block.get("limit") or None
-  checkpoint = text_tokenizer(users)
-  tokenizer = tfds_data.hf_tokenizer(checkpoint, text_lib.HF_MAX_LEN) if checkpoint else None
+  spaces = text_spaces(users)  # checkpoints only: _tfds_reads refuses the world's ids
+  tokenizer = text_lib.joint_tokenizer(spaces) if spaces else None
   wants: dict[tuple[str, str], list[tuple[tuple[str, int], int]]] = {}
   by_task: dict[str, list[User]] = {}
   for u in users:
@@ -351,7 +396,8 @@ def _tfds_sets(config, users: Sequence[User]):
       size = config.users[u.index]["train_size"]
       wants.setdefault((name, train_split), []).append((("train", u.index), size))
     for u in members:
-      wants.setdefault((name, test_split), []).append((("test", u.index), config.test_size))
+      size = test_sizes(config)[task]
+      wants.setdefault((name, test_split), []).append((("test", u.index), size))
   public_read = (block.public, tfds_data.READERS[block.public].splits[0])
   wants.setdefault(public_read, []).append((("public", -1), config.public.size))
   sets = {}
@@ -377,6 +423,7 @@ def _tfds_sets(config, users: Sequence[User]):
       tokenizer=tokenizer if texts else None,
       indices=indices,
     )
+    arrays = text_lib.split_joint(arrays, spaces)
     for (who, _), a, b in zip(asked, bounds[:-1], bounds[1:], strict=True):
       sets[who] = data.take(arrays, np.arange(a, b))
   public = sets.pop(("public", -1))
@@ -392,8 +439,8 @@ def _tfds_sets(config, users: Sequence[User]):
         f"the public set read has {num_public} examples (data.limit={block.limit}), fewer "
         f"than {what}: {n}."
       )
-  train = [(i, d) for (kind, i), d in sets.items() if kind == "train"]
-  test = [(i, d) for (kind, i), d in sets.items() if kind == "test"]
+  train = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "train"]
+  test = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "test"]
   return train, test, public
 
 
@@ -652,8 +699,14 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
 
 
 def _task(u: User, config=None) -> core.Task:
-  """A user's task (what :func:`build` gives its group); ``config`` None: on the world."""
+  """A user's task (what :func:`build` gives its group); ``config`` None: on the world.
+
+  A text user reads the captions of its token space (``caption`` for the world's ids,
+  ``caption:<checkpoint>`` for an hf: encoder's), in its own sets and in the public set.
+  """
   kind, input_key, target_key, _, _ = TASKS[u.task]
+  if input_key == "caption":
+    input_key = text_lib.caption_key(text_lib.token_space(u.encoder))
   return core.Task(kind, input_key, target_key, _outputs(config, u.task))
 
 

@@ -1,21 +1,32 @@
-"""Captions for ``hf:`` text encoders: one token space per run, the world's words re-tokenised.
+"""Captions for ``hf:`` text encoders: token spaces, the world's words re-tokenised.
 
 The world's captions are token ids of its own vocabulary (:data:`fedjax_mm.data.world.VOCAB`).
 A Hugging Face text encoder (e.g. all-MiniLM-L6-v2) reads its own WordPiece ids, so a run
 whose text encoders come from a checkpoint decodes every caption back to words and encodes
-it again with that checkpoint's tokenizer. Captions are shared by all who read text (the
-public set is one array), so a run has one token space: either every text encoder is the
-world's (no ``hf:``) or all of them are the same checkpoint (:func:`shared_tokenizer`).
+it again with that checkpoint's tokenizer (:func:`retokenize`).
+
+A *token space* is what a text encoder reads: ``None`` for the world's vocabulary (every
+zoo encoder), or an ``hf:`` checkpoint's name (:func:`token_space`). The same captions are
+held once per token space, under :func:`caption_key`: ``caption`` for the world's ids,
+``caption:<checkpoint>`` for a checkpoint's. A user's task reads the key of its space
+(:class:`fedjax_mm.core.Task` ``input_key``), so users of several tokenizers share one
+public set, each reading its own tokenisation of the same captions (FedMuscle:
+:func:`in_spaces` for the world's captions, :func:`joint_tokenizer` / :func:`split_joint`
+for English text read through TFDS).
+
+CreamFL's server and clients exchange caption representations computed by every tower
+on the same tensors, so it keeps one token space per run (:func:`shared_tokenizer`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from fedjax_mm import data, models
+from fedjax_mm.core import tasks
 from fedjax_mm.runner.errors import ConfigError
 
 #: Caption length in a checkpoint's tokens: the world's captions are at most 16 words;
@@ -25,6 +36,9 @@ HF_MAX_LEN = 32
 
 def shared_tokenizer(text_encoders: Iterable[str]) -> str | None:
   """The ``hf:`` checkpoint every caption goes through, or None (the world's ids).
+
+  For runners with one token space (CreamFL); FedMuscle holds one per space
+  (:func:`token_spaces`).
 
   Raises:
     ConfigError: the text encoders mix the world's vocabulary with a checkpoint's,
@@ -40,6 +54,77 @@ def shared_tokenizer(text_encoders: Iterable[str]) -> str | None:
       f"hf: text encoder or the same one for all, got {sorted(names)}."
     )
   return hf_names.pop()
+
+
+def token_space(encoder: str) -> str | None:
+  """The token space a text encoder reads: its ``hf:`` checkpoint, or None (the world's ids)."""
+  return encoder if models.hf.is_hf(encoder) else None
+
+
+def token_spaces(text_encoders: Iterable[str]) -> tuple[str | None, ...]:
+  """The distinct token spaces of some text encoders: None (the world's) first, then sorted."""
+  spaces = {token_space(e) for e in text_encoders}
+  return (None,) * (None in spaces) + tuple(sorted(s for s in spaces if s is not None))
+
+
+def caption_key(space: str | None) -> str:
+  """The data key of captions in a token space: ``caption`` (world) or ``caption:<checkpoint>``.
+
+  >>> caption_key(None), caption_key("hf:all-MiniLM-L6-v2")
+  ('caption', 'caption:hf:all-MiniLM-L6-v2')
+  """
+  return tasks.CAPTION_KEY if space is None else f"{tasks.CAPTION_KEY}:{space}"
+
+
+def in_spaces(
+  arrays: dict[str, np.ndarray], spaces: Iterable[str | None], max_len: int = HF_MAX_LEN
+) -> dict[str, np.ndarray]:
+  """``arrays`` with its world captions (``caption``) held in ``spaces`` instead.
+
+  Each space's key gets :func:`retokenize` of the world's ids (the world's space keeps
+  them); ``caption`` itself stays only if None is among ``spaces``. Arrays without
+  captions, or an empty ``spaces``, come back as they are.
+  """
+  spaces = tuple(spaces)
+  if tasks.CAPTION_KEY not in arrays or not spaces:
+    return arrays
+  out = {}
+  for key, value in arrays.items():  # in order: the spaces' keys where ``caption`` was
+    if key != tasks.CAPTION_KEY:
+      out[key] = value
+      continue
+    for space in spaces:
+      out[caption_key(space)] = value if space is None else retokenize(value, space, max_len)
+  return out
+
+
+def joint_tokenizer(checkpoints: Sequence[str], max_len: int = HF_MAX_LEN):
+  """One :data:`fedjax_mm.data.tfds.Tokenizer` for several checkpoints: their ids side by side.
+
+  ``texts -> int32 [len(texts), len(checkpoints) * max_len]``, checkpoint ``i``'s ids in
+  columns ``[i * max_len, (i + 1) * max_len)``, so a dataset's text is read (and its
+  images decoded) once for every token space; :func:`split_joint` takes them apart.
+  """
+  from fedjax_mm.data import tfds as tfds_data  # its tokenizer: the same call as retokenize
+
+  tokenizers = [tfds_data.hf_tokenizer(c, max_len) for c in checkpoints]
+  return lambda texts: np.concatenate([tok(texts) for tok in tokenizers], axis=-1)
+
+
+def split_joint(
+  arrays: dict[str, np.ndarray], checkpoints: Sequence[str], max_len: int = HF_MAX_LEN
+) -> dict[str, np.ndarray]:
+  """``arrays`` read through :func:`joint_tokenizer`: ``caption`` split into each checkpoint's key."""
+  if tasks.CAPTION_KEY not in arrays:
+    return arrays
+  out = {}
+  for key, value in arrays.items():
+    if key != tasks.CAPTION_KEY:
+      out[key] = value
+      continue
+    for i, checkpoint in enumerate(checkpoints):
+      out[caption_key(checkpoint)] = value[..., i * max_len : (i + 1) * max_len]
+  return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,4 +154,14 @@ def retokenize(captions: np.ndarray, checkpoint: str, max_len: int = HF_MAX_LEN)
   return out["input_ids"].astype(np.int32).reshape(*captions.shape[:-1], max_len)
 
 
-__all__ = ["HF_MAX_LEN", "retokenize", "shared_tokenizer"]
+__all__ = [
+  "HF_MAX_LEN",
+  "caption_key",
+  "in_spaces",
+  "joint_tokenizer",
+  "retokenize",
+  "shared_tokenizer",
+  "split_joint",
+  "token_space",
+  "token_spaces",
+]

