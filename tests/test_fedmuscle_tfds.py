@@ -124,7 +124,8 @@ def test_bad_tfds_settings_are_config_errors(mock_tfds):
     runner.validate(config)
   config = _tfds_config()
   config.users[0]["task"] = "ss"
-  with pytest.raises(ConfigError, match=r"no TFDS dataset has segmentation masks"):
+  config.data.tasks.ss = ""
+  with pytest.raises(ConfigError, match=r"^data\.tasks\.ss names no dataset for the ss users"):
     runner.validate(config)
   config = _tfds_config()
   config.methods = "fedmuscle,cofed,local"

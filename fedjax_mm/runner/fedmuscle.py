@@ -268,8 +268,7 @@ def _tfds_reads(config, users: Sequence[User], methods: Sequence[str]) -> list[t
     _, input_key, target_key, _, _ = TASKS[task]
     name = block.get("tasks", {}).get(task) or ""
     if not name:
-      why = " (no TFDS dataset has segmentation masks)" if task == "ss" else ""
-      raise ConfigError(f"data.tasks.{task} names no dataset for the {task} users{why}.")
+      raise ConfigError(f"data.tasks.{task} names no dataset for the {task} users.")
     reader = _reader(f"data.tasks.{task}", name)
     if target_key not in reader.classes or input_key not in reader.keys:
       raise ConfigError(
