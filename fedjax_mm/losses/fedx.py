@@ -67,8 +67,8 @@ def relational_loss(
     batch mean is the caller's.
 
   >>> x = jnp.eye(3)
-  >>> float(relational_loss(x, x, x).max())
-  0.0
+  >>> bool(jnp.abs(relational_loss(x, x, x)).max() < 1e-6)  # the same distributions
+  True
   """
   if x1.ndim != 2 or x1.shape != x2.shape or anchors.ndim != 2 or anchors.shape[1] != x1.shape[1]:
     raise ValueError(
