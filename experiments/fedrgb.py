@@ -6,7 +6,10 @@ trains FedRGB (guided stage 1, DRO-weighted aggregation, the eq. (12) teacher in
 FedAvg, Local, Centralised (one model on the union of the clients' pairs, FedAvg's
 steps summed over clients: the paper's upper bound) and FedEMA (each client starts a round
 from the divergence-aware EMA of the global model and its own, local loss L_task: the
-paper's adapted baseline) side by side from the shipped World-CLIP encoders (vit_t +
+paper's adapted baseline), FedX (local and global contrastive and relational distillation
+from the frozen received global model, L_task as its local contrastive term) and FedMAE
+(L_task plus MAE's reconstruction of 75% masked 4 x 4 patches through a decoder that is
+averaged, not evaluated) side by side from the shipped World-CLIP encoders (vit_t +
 transformer_t, frozen in stage 1 as in the authors' code), 5 clients from a Dirichlet(1)
 split over 32 categories (the presence of five shapes; the paper's five diseases), and
 prints the paper's retrieval table: average and worst client R@1 with a batch gallery of
@@ -33,7 +36,7 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.client_map = "auto"
-  config.methods = ("fedavg", "local", "centralised", "fedema", "fedrgb")
+  config.methods = ("fedavg", "local", "centralised", "fedema", "fedx", "fedmae", "fedrgb")
   config.rounds = 10
   config.eval_every = 5
   config.checkpoint_every = 5
@@ -70,6 +73,13 @@ def get_config(arg=None):
   # FedEMA's autoscaler target (Zhuang et al. 2022; the authors' code's default): a client's
   # first divergence-aware EMA keeps this share of its own model.
   config.fedema_tau = 0.8
+  # FedX (Han et al. 2022; its code's defaults): the temperature of its contrastive and
+  # relational terms and of the relational target (--temperature, --ts / --tt); all four
+  # terms weigh 1, the local contrastive term is L_task (tau 0.07).
+  config.fedx = ml_collections.ConfigDict({"tau": 0.1, "target_tau": 0.1})
+  # FedMAE (Yan et al. 2023): MAE's masking ratio (He et al. 2022: 0.75) and the weight of
+  # the reconstruction loss beside L_task.
+  config.fedmae = ml_collections.ConfigDict({"mask_ratio": 0.75, "weight": 1.0})
   # Tables 6 / 11: the final global model retrained on each client for `steps` steps of the
   # method's own client update ("own"; "task": L_task alone, a control), the drop in mean
   # paired cosine on every client's held-out pairs (fedjax_mm.algorithms.fedrgb_eval).

@@ -220,7 +220,7 @@ def test_fedavg_weights_and_traffic(stage1):
   with pytest.raises(ValueError, match="rho"):
     rgb.RgbConfig(rho=-1.0)
   with pytest.raises(ValueError, match="method"):
-    rgb.RgbConfig(method="fedx")
+    rgb.RgbConfig(method="fedprox")
 
 
 def test_contrastive_guidance_matches_numpy():

@@ -20,9 +20,12 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedrgb.gamma", -1.0, "fedrgb.gamma must be a finite number >= 0"),
     ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['eq6', 'eq12']"),
     ("fedrgb.dro_source", "authors", "fedrgb.dro_source must be one of ['paper', 'code']"),
-    ("methods", ("fedrgb", "fedx"), "unknown ['fedx']"),
+    ("methods", ("fedrgb", "fedprox"), "unknown ['fedprox']"),
     ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
     ("fedema_tau", 0.0, "fedema_tau must be a finite number > 0"),
+    ("fedx.target_tau", 0.0, "fedx.target_tau must be a finite number > 0"),
+    ("fedmae.mask_ratio", 1.0, "fedmae.mask_ratio must be in (0, 1)"),
+    ("fedmae.weight", -1.0, "fedmae.weight must be a finite number >= 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
     ("text_encoder", "vit_t", "text_encoder: unknown text encoder 'vit_t'"),
@@ -72,6 +75,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   out = capsys.readouterr().out
   assert "| fedrgb" in out and "| local" in out and "| chance" in out
   assert "| centralised" in out and "| fedema" in out
+  assert "| fedx" in out and "| fedmae" in out
   k = config.num_clients
   for m in config.methods:
     final = reference["methods"][m]
@@ -85,7 +89,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   assert chi2 <= config.fedrgb.rho + 1e-5
   # Distortion and downstream accuracy after the last round, for the global models only.
   assert "distortion" not in reference["methods"]["local"]
-  for m in ("fedavg", "fedrgb"):
+  for m in ("fedavg", "fedrgb", "fedx", "fedmae"):
     final = reference["methods"][m]
     for retrain in config.distortion.retrain:
       d = final["distortion"][retrain]
@@ -105,7 +109,9 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
   assert traffic["fedrgb"]["stage2"] > 0
   assert traffic["centralised"]["stage1"] == traffic["centralised"]["stage2"] == 0
-  assert traffic["fedema"] == traffic["fedavg"]
+  assert traffic["fedema"] == traffic["fedavg"] == traffic["fedx"]
+  assert traffic["fedmae"]["stage1"] > traffic["fedavg"]["stage1"]  # + its decoder
+  assert traffic["fedmae"]["full_model"] == traffic["fedavg"]["full_model"]
   assert sum(reference["client_categories"]) == k * (
     config.train_per_client + config.test_per_client
   )

@@ -116,6 +116,72 @@ positive (the authors' autoscaler, target 0.8 by default). Adaptations:
   global model that is evaluated); every client takes part in every round, so every
   client keeps its model of the last round (``RgbState.clients``, ``scaler``). Traffic as
   FedAvg's (Table 9 gives FedEMA FedAvg's communication).
+
+``method="fedx"`` is the paper's adapted FedX (Han et al., "FedX: Unsupervised Federated
+Learning with Cross Knowledge Distillation", ECCV 2022; code Sungwon-Han/FEDX). A client
+keeps the global model it received frozen (``g``) and trains its copy (``z``) for
+``stage1_steps`` AdamW steps on FedX's four terms, each of weight 1 (the code's sum),
+on a batch of ``B`` pairs and a second batch of ``B`` anchor pairs drawn from its data
+(the code's "random" loader), :meth:`FedRGB.fedx_objective`::
+
+  L = L_task(z_I, z_T)                                         local contrastive
+    + L_rel(z_I, z_T; A_z)                                     local relational
+    + (NT-Xent(z_I, g_T) + NT-Xent(z_T, g_I)) / 2              global contrastive
+    + (L_rel(z_I, g_I; A_g) + L_rel(z_T, g_T; A_g)) / 2        global relational
+
+with ``A_z`` / ``A_g`` the local / global model's image AND text embeddings of the anchor
+batch (``2B`` anchors), ``L_rel`` :func:`fedjax_mm.losses.relational_loss` (FedX's JS
+loss) and NT-Xent :func:`fedjax_mm.losses.nt_xent`, both at FedX's temperatures
+``fedx_tau = fedx_target_tau = 0.1`` (its code's ``--temperature``, ``--ts``, ``--tt``).
+The server is FedAvg (data-size weights), traffic FedAvg's. Adaptations:
+
+* **Views.** FedX's two augmented views of an image become the image and its caption
+  (the two views the image-text contrastive loss already pairs; the runner has no
+  augmentations), and FedX's local NT-Xent becomes ``L_task`` (tau 0.07), the paper's
+  "image-text contrastive loss with the same hyperparameters".
+* **No predictor.** FedX feeds its global terms from a predictor head on the local
+  projection; Table 9 gives FedX FedAvg's parameter count, so none is added and the local
+  embeddings enter the global terms directly.
+* **Global contrastive**: FedX contrasts the local model's view 1 with the global model's
+  view 2; here both crossings (local image / global text and local text / global image),
+  averaged, as image and caption are not exchangeable the way two augmentations are.
+* **Global relational**: FedX compares the local model's two views over the global
+  model's anchors. Here each modality's local embedding is compared with the global
+  model's embedding of the same item (``z_I`` with ``g_I``, ``z_T`` with ``g_T``) over
+  the global model's anchors: the local image-text relation is already the local term,
+  and this way the term distils the global model's relations themselves. It is 0 when
+  local and global embeddings agree (at ``fedx_tau = fedx_target_tau``; tested).
+
+``method="fedmae"`` is the paper's adapted FedMAE (Yan et al., "Label-efficient
+self-supervised federated learning for tackling data heterogeneity in medical imaging",
+IEEE TMI 2023: Fed-MAE, MAE pre-training (He et al., CVPR 2022) with FedAvg of the whole
+masked autoencoder, encoder and decoder). A client trains on ``L_task`` of the clean
+pairs plus ``mae_weight`` (1: the paper gives none) times MAE's loss,
+:meth:`FedRGB.mae_objective`: a random ``mae_ratio = 0.75`` of each image's patches
+(MAE's ratio; Fed-MAE's published retina script passes 0.6, settable as
+``fedmae.mask_ratio``) is masked afresh every step, and the mean squared error of
+normalised pixels over the masked patches (:func:`fedjax_mm.losses.masked_reconstruction_loss`,
+MAE's ``norm_pix_loss``, which Fed-MAE's scripts set) is minimised. Adaptations:
+
+* **Patches and masking.** Patches are ``p x p`` on the encoder's token grid (``p = 4``
+  for every encoder of the zoo: the ViTs' patch size, the CNNs' stride to the spatial
+  map, e.g. ``cnn_s`` in ``:smoke``). The zoo's encoders take no subset of tokens (and
+  the CNNs have none), so the masked patches are zeroed in pixel space and the whole grid
+  is encoded, where MAE drops them from its encoder; the decoder then replaces the masked
+  positions by its mask token, so what it reads of a masked patch is only the context
+  the visible ones give.
+* **MAE's encoder** is the image tower up to the align module's Transformer block
+  (:meth:`Aligner.encode`): with frozen encoders (the default) reconstruction trains the
+  image aligner's block, which the contrastive loss trains too (with
+  ``train_encoders`` the encoder as well).
+* **Decoder** (:class:`MaeDecoder`): one Transformer block at the encoder's width and a
+  linear pixel head (MAE's has 8 blocks of width 512; scaled to the model). It is
+  averaged by FedAvg each round and sent with the model (``RgbState.decoder``; Table 9
+  counts FedMAE's extra parameters in its traffic), never part of the evaluated model:
+  retrieval, distortion and fine-tuning read the encoders and aligners only; the
+  distortion study's "own" retraining trains it alongside, from the final one.
+* ``L_task`` sees the unmasked images (the paper does not say whether its adaptation
+  contrasts masked images).
 """
 
 from __future__ import annotations
@@ -138,7 +204,7 @@ from fedjax_mm.server import fedema
 PyTree = Any
 Array = jax.Array
 
-METHODS = ("fedrgb", "fedavg", "local", "centralised", "fedema")
+METHODS = ("fedrgb", "fedavg", "local", "centralised", "fedema", "fedx", "fedmae")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
@@ -200,8 +266,12 @@ class Aligner(nnx.Module):
     self.fc1 = nnx.Linear(width, 2 * width, rngs=rngs)
     self.fc2 = nnx.Linear(2 * width, dim, rngs=rngs)
 
+  def encode(self, tokens: Array, mask: Array | None = None) -> Array:
+    """The align module's output sequence ``[b, T, width]`` (FedMAE's decoder reads it)."""
+    return self.block(tokens, mask)
+
   def __call__(self, tokens: Array, mask: Array | None = None) -> Array:
-    first = self.block(tokens, mask)[:, 0]
+    first = self.encode(tokens, mask)[:, 0]
     return l2_normalize(self.fc2(jax.nn.gelu(self.fc1(first))))
 
 
@@ -211,6 +281,45 @@ class Aligners(nnx.Module):
   def __init__(self, image_width: int, text_width: int, dim: int, *, rngs: nnx.Rngs):
     self.image = Aligner(image_width, dim, rngs=rngs)
     self.text = Aligner(text_width, dim, rngs=rngs)
+
+
+class MaeDecoder(nnx.Module):
+  """FedMAE's decoder: mask tokens, positions, one Transformer block, a pixel head.
+
+  Reads the image aligner's output sequence ``[b, 1 + P, width]`` (the pooled token,
+  then one token per ``p x p`` patch), puts a learnt mask token at every masked patch
+  (MAE's decoder input: the encoded visible tokens plus mask tokens), adds learnt
+  positions, and predicts the ``p p 3`` pixels of every patch. Trained and averaged
+  with the model, never part of the evaluated one.
+  """
+
+  def __init__(self, width: int, num_patches: int, patch_pixels: int, *, rngs: nnx.Rngs):
+    self.mask_token = nnx.Param(jnp.zeros((width,), jnp.float32))
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1 + num_patches, width)))
+    self.block = layers.TransformerBlock(width, 4 if width % 4 == 0 else 1, rngs=rngs)
+    self.head = nnx.Linear(width, patch_pixels, rngs=rngs)
+
+  def __call__(self, tokens: Array, patch_mask: Array) -> Array:
+    """``[b, 1 + P, width], bool [b, P]`` -> predicted pixels ``[b, P, p p 3]``."""
+    patches = jnp.where(patch_mask[..., None], self.mask_token[...], tokens[:, 1:])
+    x = jnp.concatenate([tokens[:, :1], patches], 1) + self.pos[...]
+    return self.head(self.block(x)[:, 1:])
+
+
+def random_patch_mask(key: Array, num_patches: int, ratio: float) -> Array:
+  """``bool [P]`` with ``round(ratio P)`` masked patches drawn uniformly (MAE's shuffle)."""
+  num_masked = int(round(ratio * num_patches))
+  order = jnp.argsort(jax.random.uniform(key, (num_patches,)))
+  return jnp.zeros((num_patches,), bool).at[order[:num_masked]].set(True)
+
+
+def mask_images(images: Array, patch_mask: Array, patch: int) -> Array:
+  """``[b, S, S, C]`` with the pixels of every masked ``p x p`` patch (``bool [b, P]``) zeroed."""
+  b, size, _, c = images.shape
+  g = size // patch
+  m = patch_mask.reshape(b, g, 1, g, 1, 1)
+  blocks = images.reshape(b, g, patch, g, patch, c)
+  return jnp.where(m, 0.0, blocks).reshape(images.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +345,10 @@ class RgbConfig:
   client_map: str = "auto"
   ema_tau: float = fedema.AUTOSCALER_TARGET  # FedEMA's autoscaler target (its first mu)
   ema_divergence: str = "paper"  # FedEMA's divergence: "paper" | "code" (server.fedema)
+  fedx_tau: float = losses.fedx.TAU  # FedX's contrastive and relational temperature
+  fedx_target_tau: float = losses.fedx.TAU  # FedX's relational target temperature
+  mae_ratio: float = losses.fedmae.MASK_RATIO  # FedMAE's share of masked patches
+  mae_weight: float = 1.0  # FedMAE: L_task + mae_weight L_rec
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -254,6 +367,14 @@ class RgbConfig:
       raise ValueError(f"ema_tau must be > 0, got {self.ema_tau}.")
     if self.ema_divergence not in EMA_DIVERGENCES:
       raise ValueError(f"ema_divergence must be one of {EMA_DIVERGENCES}.")
+    if not (self.fedx_tau > 0 and self.fedx_target_tau > 0):
+      raise ValueError(
+        f"fedx_tau and fedx_target_tau must be > 0, got {self.fedx_tau}, {self.fedx_target_tau}."
+      )
+    if not 0 < self.mae_ratio < 1:
+      raise ValueError(f"mae_ratio must be in (0, 1), got {self.mae_ratio}.")
+    if not self.mae_weight >= 0:
+      raise ValueError(f"mae_weight must be >= 0, got {self.mae_weight}.")
 
 
 @struct.dataclass
@@ -266,6 +387,7 @@ class RgbState:
   of the last round (``{"encoder", "aligner"}`` stacked ``[K, ...]``; the encoder ``{}``
   when frozen), ``scaler`` ``[K]``, each client's ``lambda_k`` (0 until set), and ``drift``
   ``[K]``, the code's divergence of each client's last training (``ema_divergence="code"``).
+  FedMAE only: ``decoder``, the global MAE decoder (:class:`MaeDecoder`'s parameters).
   """
 
   round: Array
@@ -278,6 +400,7 @@ class RgbState:
   clients: PyTree = None
   scaler: Array | None = None
   drift: Array | None = None
+  decoder: PyTree = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +410,7 @@ class FedRGB:
   config: RgbConfig
   encoder_def: nnx.GraphDef
   aligner_def: nnx.GraphDef
+  decoder_def: nnx.GraphDef | None = None  # FedMAE's decoder
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -311,30 +435,44 @@ class FedRGB:
 
   # -- one client ------------------------------------------------------------
 
-  def _train(self, loss_fn, params, key, arrays, mask, steps):
-    """``steps`` AdamW steps of ``loss_fn(params, batch)`` on batches drawn from ``mask``."""
+  def _train(self, loss_fn, params, key, arrays, mask, steps, *, draws=1, keyed=False):
+    """``steps`` AdamW steps of ``loss_fn(params, batch)`` on batches drawn from ``mask``.
+
+    ``draws``: batches drawn per step, concatenated (FedX's second batch of anchors);
+    ``keyed``: ``loss_fn(params, batch, key)`` gets a fresh key each step (FedMAE's masks).
+    """
     tx = self.tx
     n = mask.shape[0]
     probs = mask / jnp.maximum(jnp.sum(mask), 1)
 
     def step(carry, k):
       params, opt_state = carry
-      idx = jax.random.choice(k, n, (self.config.batch_size,), p=probs)
+      if keyed:
+        k, k_loss = jax.random.split(k)
+      idx = jax.random.choice(k, n, (draws * self.config.batch_size,), p=probs)
       batch = jax.tree.map(lambda x: x[idx], arrays)
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      args = (batch, k_loss) if keyed else (batch,)
+      loss, grads = jax.value_and_grad(loss_fn)(params, *args)
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 
     (params, _), loss = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
     return params, jnp.mean(loss)
 
-  def stage1_client(self, encoder, aligner, teacher, key, arrays, mask, steps=None):
+  def stage1_client(
+    self, encoder, aligner, teacher, key, arrays, mask, steps=None, *, decoder=None
+  ):
     """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``.
 
     ``steps`` (default ``stage1_steps``) lets the distortion study
     (:mod:`fedjax_mm.algorithms.fedrgb_eval`) retrain for longer with the same update.
+    FedX and FedMAE: :meth:`ssl_client` (FedMAE reads ``decoder``; its trained
+    decoder is dropped here).
     """
     cfg = self.config
+    if cfg.method in ("fedx", "fedmae"):
+      enc, al, _, loss = self.ssl_client(encoder, aligner, decoder, key, arrays, mask, steps)
+      return enc, al, loss
 
     def loss_fn(params, batch):
       enc = params["encoder"] if cfg.train_encoders else jax.lax.stop_gradient(encoder)
@@ -351,6 +489,76 @@ class FedRGB:
     steps = cfg.stage1_steps if steps is None else steps
     params, loss = self._train(loss_fn, params, key, arrays, mask, steps)
     return (params["encoder"] if cfg.train_encoders else encoder), params["aligner"], loss
+
+  def fedx_terms(self, params, start_encoder, start_aligner, batch) -> dict[str, Array]:
+    """FedX's four terms (``[B]`` each, :func:`fedjax_mm.losses.fedx_terms`) of ``2B`` pairs.
+
+    The first ``B`` pairs are the batch, the last ``B`` the anchors. ``params`` is
+    ``{"encoder", "aligner"}`` (encoder ``{}`` when frozen); the global model is the
+    frozen ``(start_encoder, start_aligner)`` the client received.
+    """
+    cfg = self.config
+    enc = params["encoder"] if cfg.train_encoders else jax.lax.stop_gradient(start_encoder)
+    b = cfg.batch_size
+    z_i, z_t = self.embed(enc, params["aligner"], batch["images"], batch["captions"])
+    g_i, g_t = jax.lax.stop_gradient(
+      self.embed(start_encoder, start_aligner, batch["images"], batch["captions"])
+    )
+    return losses.fedx_terms(
+      z_i[:b],
+      z_t[:b],
+      g_i[:b],
+      g_t[:b],
+      jnp.concatenate([z_i[b:], z_t[b:]]),
+      jnp.concatenate([g_i[b:], g_t[b:]]),
+      task_tau=cfg.tau,
+      tau=cfg.fedx_tau,
+      target_tau=cfg.fedx_target_tau,
+    )
+
+  def fedx_objective(self, params, start_encoder, start_aligner, batch):
+    """FedX's client loss: the sum of the four terms' batch means (the code's weights, 1)."""
+    terms = self.fedx_terms(params, start_encoder, start_aligner, batch)
+    return sum(v.mean() for v in terms.values())
+
+  def mae_terms(self, params, frozen_encoder, batch, key) -> tuple[Array, Array]:
+    """FedMAE's ``(L_task, L_rec)`` batch means: clean pairs, and masked images."""
+    cfg = self.config
+    enc = params["encoder"] if cfg.train_encoders else jax.lax.stop_gradient(frozen_encoder)
+    images = batch["images"]
+    z_i, z_t = self.embed(enc, params["aligner"], images, batch["captions"])
+    task = losses.task_loss(z_i, z_t, tau=cfg.tau).mean()
+    encoder = nnx.merge(self.encoder_def, enc)
+    num_patches = jax.eval_shape(encoder.image_tokens, images[:1]).shape[1] - 1
+    patch = images.shape[1] // int(round(num_patches**0.5))
+    patch_mask = jax.vmap(lambda k: random_patch_mask(k, num_patches, cfg.mae_ratio))(
+      jax.random.split(key, images.shape[0])
+    )
+    tokens = encoder.image_tokens(mask_images(images, patch_mask, patch))
+    sequence = nnx.merge(self.aligner_def, params["aligner"]).image.encode(tokens)
+    pred = nnx.merge(self.decoder_def, params["decoder"])(sequence, patch_mask)
+    target = losses.patchify(images, patch)
+    return task, losses.masked_reconstruction_loss(pred, target, patch_mask).mean()
+
+  def mae_objective(self, params, frozen_encoder, batch, key):
+    """FedMAE: ``L_task`` on the clean pairs + ``mae_weight`` MAE loss on masked images."""
+    task, rec = self.mae_terms(params, frozen_encoder, batch, key)
+    return task + self.config.mae_weight * rec
+
+  def ssl_client(self, encoder, aligner, decoder, key, arrays, mask, steps=None):
+    """FedX / FedMAE client update: returns ``(encoder, aligner, decoder, mean loss)``."""
+    cfg = self.config
+    steps = cfg.stage1_steps if steps is None else steps
+    params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
+    if cfg.method == "fedx":
+      loss_fn = lambda p, batch: self.fedx_objective(p, encoder, aligner, batch)
+      params, loss = self._train(loss_fn, params, key, arrays, mask, steps, draws=2)
+    else:
+      params["decoder"] = decoder
+      loss_fn = lambda p, batch, k: self.mae_objective(p, encoder, batch, k)
+      params, loss = self._train(loss_fn, params, key, arrays, mask, steps, keyed=True)
+    enc = params["encoder"] if cfg.train_encoders else encoder
+    return enc, params["aligner"], params.get("decoder"), loss
 
   def dro_objective(self, copy, teacher, encoder, local_aligner, batch):
     """Mean ``L_dro`` (eq. (6) / (12)) of one batch."""
@@ -377,7 +585,12 @@ class FedRGB:
 
   # -- the round ---------------------------------------------------------------
 
-  def init(self, key: Array, encoder: PyTree, aligner: PyTree, num_clients: int) -> RgbState:
+  def init(
+    self, key: Array, encoder: PyTree, aligner: PyTree, num_clients: int, decoder: PyTree = None
+  ) -> RgbState:
+    """The initial state; ``decoder``: FedMAE's initial decoder (required for it)."""
+    if self.config.method == "fedmae" and (decoder is None or self.decoder_def is None):
+      raise ValueError("fedmae needs a decoder (decoder_def and its parameters: build_decoder).")
     if self.config.method == "local":  # K private copies, stacked
       stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * num_clients), t)
       encoder, aligner = stack(encoder), stack(aligner)
@@ -387,6 +600,7 @@ class FedRGB:
       clients = jax.tree.map(lambda x: jnp.stack([x] * num_clients), trained)
       scaler = drift = jnp.zeros((num_clients,), jnp.float32)
     return RgbState(
+      decoder=decoder if self.config.method == "fedmae" else None,
       clients=clients,
       scaler=scaler,
       drift=drift,
@@ -428,6 +642,8 @@ class FedRGB:
       return new, {"stage1_loss": loss1, "weights": weights}
     if cfg.method == "fedema":
       return self._fedema_round(state, arrays, mask, k1)
+    if cfg.method in ("fedx", "fedmae"):
+      return self._ssl_round(state, arrays, mask, k1)
     if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
       weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
     elif cfg.method == "fedrgb":
@@ -519,6 +735,28 @@ class FedRGB:
     )
     return new, {"stage1_loss": loss1, "weights": weights, "ema_mu": mu, "divergence": div}
 
+  def _ssl_round(self, state: RgbState, arrays, mask, key):
+    """FedX / FedMAE: every client's update from the global model, then FedAvg."""
+    cfg = self.config
+    k = mask.shape[0]
+    encs, aligns, decs, loss1 = map_clients(
+      lambda kk, a, m: self.ssl_client(state.encoder, state.aligner, state.decoder, kk, a, m),
+      (jax.random.split(key, k), arrays, mask),
+      cfg.client_map,
+    )
+    weights = data_size_weights(mask)
+    encoder, aligner = aggregate((encs, aligns), weights)
+    decoder = aggregate(decs, weights) if cfg.method == "fedmae" else None
+    new = state.replace(
+      round=state.round + 1,
+      encoder=encoder,
+      aligner=aligner,
+      teacher=aligner,
+      weights=weights,
+      decoder=decoder,
+    )
+    return new, {"stage1_loss": loss1, "weights": weights}
+
 
 def dro_subset(mask: Array) -> Array:
   """``int [m]``: the first ``m = max(2, round(DRO_SUBSET n))`` valid indices of ``bool [n]``.
@@ -551,6 +789,8 @@ def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:
   if alg.config.method == "centralised":  # one model on pooled data; no rounds of traffic
     return {"stage1": 0, "stage2": 0, "full_model": size(state.encoder) + size(state.aligner)}
   stage1 = size(state.aligner) + (size(state.encoder) if alg.config.train_encoders else 0)
+  if alg.config.method == "fedmae":  # FedMAE averages its decoder too
+    stage1 += size(state.decoder)
   trains_teacher = alg.config.method == "fedrgb" and alg.config.teacher == "dro"
   stage2 = size(state.teacher) if trains_teacher else 0
   return {
@@ -587,5 +827,22 @@ def build(
   aligners = Aligners(enc.image.features, enc.text.features, dim, rngs=nnx.Rngs(k_al))
   enc_def, enc_params = nnx.split(enc, nnx.Param)
   al_def, al_params = nnx.split(aligners, nnx.Param)
-  alg = FedRGB(config, enc_def, al_def)
-  return alg, alg.init(k_state, enc_params, al_params, num_clients)
+  dec_def = dec_params = None
+  if config.method == "fedmae":
+    dec_def, dec_params = build_decoder(enc_def, enc_params, image_size, jax.random.fold_in(key, 7))
+  alg = FedRGB(config, enc_def, al_def, dec_def)
+  return alg, alg.init(k_state, enc_params, al_params, num_clients, dec_params)
+
+
+def build_decoder(encoder_def, encoder_params, image_size: int, key: Array):
+  """FedMAE's :class:`MaeDecoder` for these encoders: ``(graphdef, params)``.
+
+  The patch size is the image size over the side of the encoder's token grid (4 for
+  every encoder of the zoo: the ViTs' patches, the CNNs' stride).
+  """
+  encoder = nnx.merge(encoder_def, encoder_params)
+  tokens = jax.eval_shape(encoder.image_tokens, jnp.zeros((1, image_size, image_size, 3)))
+  num_patches, width = tokens.shape[1] - 1, tokens.shape[2]
+  patch = image_size // int(round(num_patches**0.5))
+  decoder = MaeDecoder(width, num_patches, patch * patch * 3, rngs=nnx.Rngs(key))
+  return nnx.split(decoder, nnx.Param)

@@ -15,7 +15,8 @@ model ``(f, g)``, minus the same for the model retrained on client ``i``'s train
 split from it (:func:`distortion_matrix`; positive = the retraining lowered the
 paired similarity). "The same backbone methods and setting" is read as each method's
 own client update (:meth:`FedRGB.stage1_client`: ``L_task`` for FedAvg, the guided
-``L_local`` of eq. (2) with the final teacher for FedRGB), run for ``steps`` steps
+``L_local`` of eq. (2) with the final teacher for FedRGB, FedX's terms against the final
+model, FedMAE's with its final decoder), run for ``steps`` steps
 with the round's optimiser and batch size (``retrain="own"``); ``retrain="task"``
 retrains every method on ``L_task`` alone, a control (ours) telling the guidance
 apart from the global model it starts from. The paper does not give the number of
@@ -72,7 +73,7 @@ def retrainer(alg: FedRGB, retrain: str) -> FedRGB:
   """The algorithm whose client update retrains: the method's own, or ``L_task`` alone."""
   if retrain not in RETRAIN:
     raise ValueError(f"retrain must be one of {RETRAIN}, got {retrain!r}.")
-  if retrain == "task" and alg.config.method == "fedrgb":
+  if retrain == "task" and alg.config.method in ("fedrgb", "fedx", "fedmae"):
     return dataclasses.replace(alg, config=dataclasses.replace(alg.config, method="fedavg"))
   return alg
 
@@ -88,6 +89,7 @@ def distortion_matrix(
   test: dict[str, Array],
   *,
   steps: int,
+  decoder=None,
 ) -> dict[str, Array]:
   """Tables 6 / 11: the drop in mean paired cosine after retraining on each client.
 
@@ -98,6 +100,7 @@ def distortion_matrix(
     train: each client's training pairs ``[K, n, ...]``; ``mask`` ``bool [K, n]``.
     test: each client's held-out pairs ``[K, m, ...]``.
     steps: client update steps from the global model (0: no retraining).
+    decoder: FedMAE's global decoder, which its own client update trains alongside.
 
   Returns:
     ``matrix`` ``[K, K]`` (row ``i`` retrained on client ``i``, column ``j`` tested on
@@ -109,7 +112,9 @@ def distortion_matrix(
   before = per_test(encoder, aligner)
 
   def after(kk, a, m):
-    enc, al, _ = alg.stage1_client(encoder, aligner, teacher, kk, a, m, steps=steps)
+    enc, al, _ = alg.stage1_client(
+      encoder, aligner, teacher, kk, a, m, steps=steps, decoder=decoder
+    )
     return per_test(enc, al)
 
   retrained = map_clients(after, (jax.random.split(key, k), train, mask), alg.config.client_map)

@@ -32,6 +32,7 @@ from fedjax_mm.losses.dscmr import (
 from fedjax_mm.losses.feddf import ensemble_distillation
 from fedjax_mm.losses.fedet import fedet_diversity
 from fedjax_mm.losses.fedhenn import center_kernel, cka, cka_distance, linear_kernel
+from fedjax_mm.losses.fedmae import masked_reconstruction_loss, patchify, unpatchify
 from fedjax_mm.losses.fedrcl import (
   divergence_penalty,
   label_positives,
@@ -46,6 +47,7 @@ from fedjax_mm.losses.fedrgb import (
   local_loss,
   task_loss,
 )
+from fedjax_mm.losses.fedx import fedx_terms, relational_loss
 from fedjax_mm.losses.gramian import gram_volumes, gramian_loss
 from fedjax_mm.losses.muscle import (
   DEFAULT_CHUNK_ELEMENTS,
@@ -77,6 +79,7 @@ __all__ = [
   "dscmr_loss",
   "ensemble_distillation",
   "fedet_diversity",
+  "fedx_terms",
   "fedscmr_loss",
   "fedscmr_terms",
   "gram_volumes",
@@ -90,6 +93,7 @@ __all__ = [
   "label_space_loss",
   "linear_kernel",
   "local_loss",
+  "masked_reconstruction_loss",
   "mean_distance",
   "muscle_client_loss",
   "muscle_gamma",
@@ -100,6 +104,8 @@ __all__ = [
   "muscle_server_targets",
   "nt_xent",
   "pairwise_info_nce",
+  "patchify",
+  "relational_loss",
   "relaxed_contrastive_loss",
   "representation_distance",
   "sage_targets",
@@ -108,4 +114,5 @@ __all__ = [
   "supervised_contrastive",
   "symmetric_info_nce",
   "task_loss",
+  "unpatchify",
 ]

@@ -31,8 +31,12 @@ the union of the clients' training pairs, FedAvg's steps summed over clients: th
 "Centralized" upper bound; no traffic), ``fedema`` (FedEMA's divergence-aware EMA of the
 global and each client's last model at the start of a round, local loss ``L_task``, as the
 paper adapts its self-supervised baselines; :mod:`fedjax_mm.server.fedema`),
-``fedema_code`` (the same with the authors' code's divergence) and the
-ablations of Table 4,
+``fedema_code`` (the same with the authors' code's divergence), ``fedx`` (FedX's local and
+global contrastive and relational distillation from the frozen received global model, with
+``L_task`` as the local contrastive term; FedAvg) and ``fedmae`` (``L_task`` plus MAE's
+masked-patch reconstruction through a small decoder that is averaged but never evaluated;
+FedAvg), both as the paper adapts its self-supervised baselines (their adaptations in
+:mod:`fedjax_mm.algorithms.fedrgb`), and the ablations of Table 4,
 ``fedrgb_avg_alig`` ("->avg.alig."), ``fedrgb_cl`` ("->CL") and ``fedrgb_uniform``
 (``rho = 0``: uniform DRO weights; ours), and ``fedavg_matched``, FedAvg with
 ``stage1_steps + stage2_steps`` aligner steps a round, as many as FedRGB's two stages
@@ -53,7 +57,7 @@ none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
   accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
   the test set and the initial model (World-CLIP encoders, untrained aligners).
 
-Not built yet (issue 19): FedX / FedMAE, the sweeps, segmentation fine-tuning.
+Not built yet (issue 19): the sweeps, segmentation fine-tuning.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ ROWS = {
   "fedema": ("fedema", {}),  # FedEMA (Zhuang et al. 2022) on L_task, as the paper adapts it
   # FedEMA with the authors' code's divergence (the drift of the client's last training).
   "fedema_code": ("fedema", {"ema_divergence": "code"}),
+  "fedx": ("fedx", {}),  # FedX (Han et al. 2022) with L_task, as the paper adapts it
+  "fedmae": ("fedmae", {}),  # FedMAE (Yan et al. 2023) with L_task, as the paper adapts it
   "fedrgb_avg_alig": ("fedrgb", {"teacher": "average"}),  # Table 4 "->avg.alig."
   "fedrgb_cl": ("fedrgb", {"guide": "cl"}),  # Table 4 "->CL"
   "fedrgb_uniform": ("fedrgb", {"rho": 0.0}),  # uniform DRO weights (ours)
@@ -138,6 +144,16 @@ def validate(config) -> None:
   tau = float(config.fedema_tau)
   if not (np.isfinite(tau) and tau > 0):
     raise ConfigError(f"fedema_tau must be a finite number > 0, got {config.fedema_tau}.")
+  for key in ("tau", "target_tau"):
+    value = float(config.fedx[key])
+    if not (np.isfinite(value) and value > 0):
+      raise ConfigError(f"fedx.{key} must be a finite number > 0, got {config.fedx[key]}.")
+  ratio = float(config.fedmae.mask_ratio)
+  if not 0 < ratio < 1:
+    raise ConfigError(f"fedmae.mask_ratio must be in (0, 1), got {config.fedmae.mask_ratio}.")
+  weight = float(config.fedmae.weight)
+  if not (np.isfinite(weight) and weight >= 0):
+    raise ConfigError(f"fedmae.weight must be a finite number >= 0, got {config.fedmae.weight}.")
   lr = float(config.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
@@ -248,6 +264,10 @@ def build(config) -> dict[str, Any]:
     weight_decay=config.weight_decay,
     client_map=config.client_map,
     ema_tau=config.fedema_tau,
+    fedx_tau=config.fedx.tau,
+    fedx_target_tau=config.fedx.target_tau,
+    mae_ratio=config.fedmae.mask_ratio,
+    mae_weight=config.fedmae.weight,
   )
   # The model is built (and its World-CLIP weights read) once: every row starts from the
   # same encoders, aligners and key, hence the same client draws.
@@ -267,13 +287,19 @@ def build(config) -> dict[str, Any]:
   for m in config.methods:
     method, overrides = ROWS[m]
     overrides = {key: v(config) if callable(v) else v for key, v in overrides.items()}
+    dec_def = dec_params = None
+    if method == "fedmae":  # its decoder, from a key of its own (the other rows' draws stay)
+      dec_def, dec_params = alg.build_decoder(
+        base.encoder_def, base_state.encoder, config.image_size, jax.random.key(config.seed + 23)
+      )
     a = alg.FedRGB(
       alg.RgbConfig(**(settings | {"method": method} | overrides)),
       base.encoder_def,
       base.aligner_def,
+      dec_def,
     )
     algorithms[m] = a
-    states[m] = a.init(base_state.rng, base_state.encoder, base_state.aligner, k)
+    states[m] = a.init(base_state.rng, base_state.encoder, base_state.aligner, k, dec_params)
   return {
     "base": base,
     "base_state": base_state,
@@ -409,9 +435,9 @@ def experiment(config) -> loop.Experiment:
   dist_key = jax.random.key(config.seed + 19)  # the same client draws for every method
 
   @functools.partial(jax.jit, static_argnums=0)
-  def distortion_jit(a, encoder, aligner, teacher):
+  def distortion_jit(a, encoder, aligner, teacher, decoder):
     return fedrgb_eval.distortion_matrix(
-      a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps
+      a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps, decoder=decoder
     )
 
   def distortion(m, s) -> dict[str, Any]:
@@ -424,7 +450,7 @@ def experiment(config) -> loop.Experiment:
       seen[a] = retrain
       d = {
         n: np.asarray(v, np.float64)
-        for n, v in distortion_jit(a, s.encoder, s.aligner, s.teacher).items()
+        for n, v in distortion_jit(a, s.encoder, s.aligner, s.teacher, s.decoder).items()
       }
       out[retrain] = {
         "matrix": d["matrix"].tolist(),
