@@ -66,12 +66,27 @@ tested on MS-COCO's 5K and 1K protocols. The server's BERT is the Hugging Face
 folder ``checkpoints/bert-base-uncased`` (README "Running at paper scale"), so
 without it the run stops at validation in one line naming the folder (exit 2).
 The zoo has no ResNet-18 / -101: the clients get ``resnet_t`` and the server
-``vit_b`` (its largest image encoder). What it does not reproduce yet: the data
-(the runner draws every set from the embedded world; the readers of
-``fedjax_mm.data.tfds`` are not wired into ``runner/creamfl.py``), and a BERT
-server beside GRU clients (the runner wants one tokenizer for every text tower,
-so with the folder present it stops at validation on that). Rounds, local epochs
-and learning rates are not stated in the paper: they keep the defaults above.
+``vit_b`` (its largest image encoder). The data is the paper's through TFDS
+(``config.data``, source "tfds"; ``fedjax_mm.data.tfds``, prepared once with ``tfds
+build ... --file_format=array_record``): the image clients read CIFAR-100's train
+split, the text clients AG News's, the public set 50,000 pairs of MS-COCO's
+(``coco_captions/2014``, Karpathy's train split), the server is tested on its test
+split (5,000 images, 5 captions each: the 5K test, and the 1K test as the mean over
+5 folds). Flickr30K is not in TFDS, so the multimodal clients read COCO's train split
+too, disjoint from the public set. Each group's ``train_size`` is its mean share of
+the whole split (CIFAR-100 50,000 / 10, AG News 120,000 / 10, the 32,783 COCO pairs
+left after the public set / 15), split by Dirichlet(0.1) over the class labels (the
+multimodal clients: each image's first object class). Images are resized to
+``image_size`` (32). A dataset not prepared in ``data.data_dir`` stops the run at
+validation, after the checkpoint, in one line naming its ``tfds build`` command (exit
+2); ``--config.data.limit=N`` reads at most N examples of each split (a smaller test
+split scales the 1K / 5K protocols down alike). The VQA analogue (Table 2 asks VQA v2)
+and the private-distribution test are built on the world's scenes, so they are off.
+What it does not reproduce yet: Flickr30K (above); the server's BERT beside GRU
+clients (the runner wants one tokenizer for every text tower, and TFDS text needs an
+``hf:`` one, so with the folder present it stops at validation on that); Table 2 (VQA
+v2). Rounds, local epochs and learning rates are not stated in the paper: they keep
+the defaults above.
 """
 
 import ml_collections

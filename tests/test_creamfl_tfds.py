@@ -66,19 +66,22 @@ def _captions(public, tokenize):
 def test_world_default_ignores_the_data_block():
   config = creamfl_config.get_config("smoke")
   assert config.data.source == "world" and runner.data_source(config) == "world"
-  built = runner.build(config)
+  groups = list(runner.GROUPS)
+  world = [runner._client_data(config, name, g) for g, name in enumerate(groups)]
   # A world run with the TFDS keys changed, and one without a data block at all (a config
-  # written before it existed), build exactly the same data.
+  # written before it existed), get exactly the same private data and tasks.
   changed = creamfl_config.get_config("smoke")
   changed.data.limit = 3
   changed.data.public = "cifar10"
+  changed.data.clients.image = "voc"
   bare = creamfl_config.get_config("smoke")
   del bare["data"]
   for other in (changed, bare):
-    got = runner.build(other)
-    for i in (2, 5, 6):  # train data, public set, test sets
-      assert jax.tree.structure(got[i]) == jax.tree.structure(built[i])
-      jax.tree.map(np.testing.assert_array_equal, got[i], built[i])
+    runner.validate(other)
+    assert runner.data_source(other) == "world"
+    got = [runner._client_data(other, name, g) for g, name in enumerate(groups)]
+    jax.tree.map(np.testing.assert_array_equal, got, world)
+    assert [runner._group_task(other, g) for g in groups] == [runner.GROUPS[g][1] for g in groups]
   # The :paper variant reads TFDS, without the world's VQA analogue and private test.
   paper = creamfl_config.get_config("paper")
   assert (paper.data.source, paper.vqa.enabled, paper.test.private_size) == ("tfds", False, 0)
@@ -112,8 +115,9 @@ def test_sets_are_disjoint_slices_of_the_limited_splits(mock_tfds):
   # The groups' tasks are the datasets' classes, and each pool is split among its clients.
   assert runner._group_task(config, "image")[2:4] == ("label100", 100)
   assert runner._group_task(config, "text")[2:4] == ("caption_label", 4)
-  train = runner._client_groups(config, jax.random.key(0), pools=sets)[2]
+  train = [runner._client_data(config, g, i, sets[g]) for i, g in enumerate(runner.GROUPS)]
   assert [int(np.asarray(d.num_samples).sum()) for d in train] == [12, 12, 6]
+  assert [d.num_clients for d in train] == [2, 2, 2] and "label100" in train[0].arrays
   # Another seed draws other examples from the same pools.
   config.seed = 1
   other = runner._tfds_sets(config)
@@ -210,7 +214,7 @@ def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache, ti
     "--config.server.image_encoder=vit_t",  # the zoo's vit_b is too slow for a test
     "--config.clients.image.encoder=cnn_s",
     "--config.clients.multimodal.image_encoder=cnn_s",
-    "--config.methods=('local','CreamFL','FedAvg')",
+    "--config.methods=('local','CreamFL')",
     "--config.rounds=1",
     "--config.image_size=16",
     "--config.rep_dim=8",
@@ -247,7 +251,7 @@ def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache, ti
   assert sum(note["train_sizes"]["multimodal"]) == 8
   assert note["public_size"] == 12 and note["test_images"] == 20
   assert note["fold_images"] == {"1K": 4, "5K": 20}
-  for m in ("local", "CreamFL", "FedAvg"):
+  for m in ("local", "CreamFL"):
     assert np.isfinite(results["r1_sum"][m])
   report = (tmp_path / "run" / "report.md").read_text()
   assert "Data (TFDS, data.limit=20, images 16 px)" in report

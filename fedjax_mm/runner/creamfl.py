@@ -36,6 +36,20 @@ R@1 over the sizes. Beside every table stands chance (:func:`chance_recall`,
 not in ``R@1_sum``. After every ``eval_every`` rounds (and the last) every
 method's server is evaluated.
 
+**Data.** ``config.data.source`` picks where the sets come from: the embedded
+world (``"world"``, the default: seeded draws, ``public.shift`` and ``test.shift``
+apply) or the papers' datasets through TFDS (``"tfds"``: :func:`_tfds_sets`).
+Then each client group's pool is ``num x train_size`` examples of the train split of
+``data.clients.<group>`` (image: CIFAR-100, text: AG News, multimodal: COCO's
+image-caption pairs, as TFDS has no Flickr30K), split among its clients by
+Dirichlet(alpha) over its class label (multimodal: each image's first object class);
+the public set is the next ``public.size`` examples of ``data.public``'s train split
+(disjoint from the multimodal clients' when both read ``coco_captions``), and the
+server's test set the first ``max(test.sizes)`` images of its test split (Karpathy's
+5K test), scaled down with ``data.limit`` (:func:`test_images`). A TFDS run writes
+what each set got (``results.json`` ``"data"``, a report section). The VQA analogue
+and the private test are the world's and refuse ``"tfds"`` at validation.
+
 **VQA, as CreamFL's Table 2** (``config.vqa``; :mod:`fedjax_mm.algorithms.vqa`,
 :mod:`fedjax_mm.data.vqa`). After the last round every method's server is frozen
 and, for each, a small fusion head learns to answer template questions ("what
