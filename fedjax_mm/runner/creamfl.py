@@ -46,7 +46,7 @@ Dirichlet(alpha) over its class label (multimodal: each image's first object cla
 the public set is the next ``public.size`` examples of ``data.public``'s train split
 (disjoint from the multimodal clients' when both read ``coco_captions``), and the
 server's test set the first ``max(test.sizes)`` images of its test split (Karpathy's
-5K test), scaled down with ``data.limit`` (:func:`test_images`). A TFDS run writes
+5K test), scaled down with ``data.limit`` (:func:`num_test_images`). A TFDS run writes
 what each set got (``results.json`` ``"data"``, a report section). The VQA analogue
 and the private test are the world's and refuse ``"tfds"`` at validation.
 
@@ -390,7 +390,7 @@ def _retrieval_set(images: np.ndarray, captions: np.ndarray) -> dict[str, jax.Ar
   }
 
 
-def test_images(config, available: int) -> int:
+def num_test_images(config, available: int) -> int:
   """``N``, the test images used of ``available``: ``max(test.sizes)``, or fewer when
   ``data.limit`` leaves fewer.
 
@@ -617,7 +617,7 @@ def _tfds_sets(config) -> dict[str, Any]:
   ``max(test.sizes)`` images of its test split, all their captions (5 per image,
   cycled). Images are resized to ``image_size``; text goes through the ``hf:`` text
   towers' tokenizer. The public set is cut to a multiple of ``creamfl.batch_size``;
-  the test set to :func:`test_images`.
+  the test set to :func:`num_test_images`.
 
   Returns:
     ``{"image" | "text" | "multimodal": the group's pool, "public": {image, caption
@@ -653,7 +653,7 @@ def _tfds_sets(config) -> dict[str, Any]:
     )
   sets["public"] = data.take(sets["public"], np.arange(num_public))
   test = sets.pop("test")
-  num_test = test_images(config, len(test["image"]))
+  num_test = num_test_images(config, len(test["image"]))
   sets["test"] = {"public": _retrieval_set(test["image"][:num_test], test["caption"][:num_test])}
   return sets
 
@@ -797,7 +797,7 @@ def _fold_images(config, num_test: int | None = None) -> dict[str, int]:
 def _chance(config, num_test: int | None = None) -> dict[str, dict[str, float]]:
   """Chance recall of every table: per test size (its fold size) and the private test.
 
-  ``num_test``: the test images read (:func:`test_images`; None: ``max(test.sizes)``).
+  ``num_test``: the test images read (:func:`num_test_images`; None: ``max(test.sizes)``).
   """
   c = data.WorldConfig().captions_per_image
   out = {k: chance_recall(n, c) for k, n in _fold_images(config, num_test).items()}
@@ -850,7 +850,7 @@ def experiment(config) -> loop.Experiment:
 
   sizes = tuple(config.test.sizes)
   # Each size is a mean over max(sizes) / size folds of the test set (of N <= max(sizes)
-  # images when data.limit cut a TFDS one: test_images).
+  # images when data.limit cut a TFDS one: num_test_images).
   folds = [max(sizes) // n for n in sizes]
   data_note = None
   if data_source(config) == "tfds":  # what was read, beside what the config asked
