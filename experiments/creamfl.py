@@ -78,10 +78,11 @@ the whole split (CIFAR-100 50,000 / 10, AG News 120,000 / 10, the 32,783 COCO pa
 left after the public set / 15), split by Dirichlet(0.1) over the class labels (the
 multimodal clients: each image's first object class). Images are resized to
 ``image_size`` (32). A dataset not prepared in ``data.data_dir`` stops the run at
-validation, after the checkpoint, in one line naming its ``tfds build`` command (exit
-2); ``--config.data.limit=N`` reads at most N examples of each split (a smaller test
-split scales the 1K / 5K protocols down alike). The VQA analogue (Table 2 asks VQA v2)
-and the private-distribution test are built on the world's scenes, so they are off.
+validation, after the checkpoints and the one-tokenizer rule below, in one line naming
+its ``tfds build`` command (exit 2); ``--config.data.limit=N`` reads at most N
+examples of each split (a smaller test split scales the 1K / 5K protocols down
+alike). The VQA analogue (Table 2 asks VQA v2) and the private-distribution test are
+built on the world's scenes, so they are off.
 What it does not reproduce yet: Flickr30K (above); the server's BERT beside GRU
 clients (the runner wants one tokenizer for every text tower, and TFDS text needs an
 ``hf:`` one, so with the folder present it stops at validation on that); Table 2 (VQA
