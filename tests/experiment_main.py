@@ -14,10 +14,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def start(config: str, workdir, *overrides: str, cache_dir, env=None) -> subprocess.Popen:
+def start(
+  config: str, workdir, *overrides: str, cache_dir, env=None, module: str = "experiments.main"
+) -> subprocess.Popen:
   """Starts the command; the caller waits on (or kills) the process.
 
-  ``env`` adds environment variables to the child's (after the ones set here).
+  ``env`` adds environment variables to the child's (after the ones set here);
+  ``module`` is what ``python -m`` runs (a test's wrapper around experiments.main).
   """
   env, extra = dict(os.environ), env
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # conftest.FAST_COMPILE
@@ -26,7 +29,7 @@ def start(config: str, workdir, *overrides: str, cache_dir, env=None) -> subproc
   cmd = [
     sys.executable,
     "-m",
-    "experiments.main",
+    module,
     f"--config={config}",
     f"--workdir={workdir}",
     f"--compilation_cache={cache_dir}",
@@ -37,8 +40,16 @@ def start(config: str, workdir, *overrides: str, cache_dir, env=None) -> subproc
   )
 
 
-def run(config: str, workdir, *overrides: str, cache_dir, timeout: int = 600, env=None):
+def run(
+  config: str,
+  workdir,
+  *overrides: str,
+  cache_dir,
+  timeout: int = 600,
+  env=None,
+  module: str = "experiments.main",
+):
   """Runs the command to completion: ``(exit code, stdout, stderr)``."""
-  proc = start(config, workdir, *overrides, cache_dir=cache_dir, env=env)
+  proc = start(config, workdir, *overrides, cache_dir=cache_dir, env=env, module=module)
   out, err = proc.communicate(timeout=timeout)
   return proc.returncode, out, err

@@ -36,6 +36,20 @@ R@1 over the sizes. Beside every table stands chance (:func:`chance_recall`,
 not in ``R@1_sum``. After every ``eval_every`` rounds (and the last) every
 method's server is evaluated.
 
+**Data.** ``config.data.source`` picks where the sets come from: the embedded
+world (``"world"``, the default: seeded draws, ``public.shift`` and ``test.shift``
+apply) or the papers' datasets through TFDS (``"tfds"``: :func:`_tfds_sets`).
+Then each client group's pool is ``num x train_size`` examples of the train split of
+``data.clients.<group>`` (image: CIFAR-100, text: AG News, multimodal: COCO's
+image-caption pairs, as TFDS has no Flickr30K), split among its clients by
+Dirichlet(alpha) over its class label (multimodal: each image's first object class);
+the public set is the next ``public.size`` examples of ``data.public``'s train split
+(disjoint from the multimodal clients' when both read ``coco_captions``), and the
+server's test set the first ``max(test.sizes)`` images of its test split (Karpathy's
+5K test), scaled down with ``data.limit`` (:func:`num_test_images`). A TFDS run writes
+what each set got (``results.json`` ``"data"``, a report section). The VQA analogue
+and the private test are the world's and refuse ``"tfds"`` at validation.
+
 **VQA, as CreamFL's Table 2** (``config.vqa``; :mod:`fedjax_mm.algorithms.vqa`,
 :mod:`fedjax_mm.data.vqa`). After the last round every method's server is frozen
 and, for each, a small fusion head learns to answer template questions ("what
@@ -77,10 +91,12 @@ from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg, vqa
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.core.client import apply_in_batches
+from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.tfds_sets import data_source, read_disjoint, reader
 
 LOCAL = "local"
 #: Every federated row: CreamFL's variants and Table 1's distillation baselines.
@@ -217,6 +233,70 @@ def validate(config) -> None:
     raise ConfigError(
       f"vqa.features must be one of {', '.join(VQA_FEATURES)}, got {config.vqa.features!r}."
     )
+  # Last, so a missing checkpoint is named first; still before anything is built.
+  tfds = data_source(config) == "tfds"
+  validation.check_data(config, _tfds_reads(config) if tfds else None)
+
+
+def _label_key(dataset: tfds_data.Reader) -> str | None:
+  """The single-label class key of a dataset (CIFAR-100: its 100 fine classes), or None."""
+  return next((k for k in dataset.classes if k != "multilabel"), None)
+
+
+def _tfds_reads(config) -> list[tuple[str, str]]:
+  """The ``(dataset, split)`` pairs a ``data.source = "tfds"`` run reads, checked.
+
+  Each client group reads ``data.clients.<group>``'s train split: the image and
+  text clients a dataset with their input (``image`` / ``caption``) and a
+  single-label class key, the multimodal clients one with images and captions.
+  The public set reads ``data.public``'s train split and the server's test set its
+  test split, both image-caption pairs. What cannot run on these data is refused:
+  the VQA analogue (questions about the world's scenes) and the private-distribution
+  test (the multimodal clients' captioned data is the public set's dataset: TFDS's
+  only image-caption set is ``coco_captions``). Raises :class:`ConfigError`.
+  """
+  block = config.data
+  if config.vqa.enabled:
+    raise ConfigError(
+      "vqa asks template questions about the embedded world's scenes: it cannot run with "
+      "data.source='tfds'; set vqa.enabled=False."
+    )
+  if config.test.private_size:
+    raise ConfigError(
+      "test.private_size: the clients' private test is the embedded world's (shift 0); with "
+      "data.source='tfds' the server is tested on data.public's test split only: set "
+      "test.private_size=0."
+    )
+  reads = []
+  for name in GROUPS:
+    where = f"data.clients.{name}"
+    dataset = reader(where, block.clients.get(name) or "")
+    _, task = GROUPS[name]
+    if task is None:
+      needed, label = ("image", "caption"), True
+    else:
+      needed, label = (task[1],), _label_key(dataset) is not None
+    if not label or any(k not in dataset.keys for k in needed):
+      what = "images and captions" if task is None else f"{task[1]!r} and a class label"
+      raise ConfigError(
+        f"{where}: {block.clients[name]} has no {what} for the {name} clients (it gives "
+        f"{', '.join(dataset.keys)})."
+      )
+    reads.append((block.clients[name], dataset.splits[0]))
+  dataset = reader("data.public", block.get("public", ""))
+  if "image" not in dataset.keys or "caption" not in dataset.keys:
+    raise ConfigError(
+      f"data.public: {block.public} has no image-caption pairs for the public and test sets "
+      f"(it gives {', '.join(dataset.keys)})."
+    )
+  reads += [(block.public, split) for split in dataset.splits]
+  if text_tokenizer(config) is None:
+    raise ConfigError(
+      "data.source='tfds' reads English text, which needs the tokenizer of an hf: text "
+      "encoder: give clients.text.encoder, clients.multimodal.text_encoder and "
+      "server.text_encoder the same one."
+    )
+  return reads
 
 
 # ----------------------------------------------------------------------------
@@ -227,11 +307,51 @@ def _world(config) -> data.WorldConfig:
   return data.WorldConfig(image_size=config.image_size)
 
 
-def _client_data(config, name: str, group_index: int):
-  """The group's private sets: a Dirichlet(alpha) split of one pool, per client."""
+def _group_task(config, name: str) -> tuple | None:
+  """A group's private task ``(kind, input key, target key, outputs, head)``; None: retrieval.
+
+  On the world, :data:`GROUPS`'; with ``data.source = "tfds"`` the target is the
+  class label of ``data.clients.<group>`` (:func:`_label_key`) and its classes.
+  """
+  task = GROUPS[name][1]
+  if task is None or data_source(config) != "tfds":
+    return task
+  kind, input_key, _, _, head = task
+  dataset = tfds_data.READERS[config.data.clients[name]]
+  key = _label_key(dataset)
+  return kind, input_key, key, dataset.classes[key], head
+
+
+def _client_data(config, name: str, group_index: int, pool=None):
+  """The group's private sets: a Dirichlet(alpha) split of one pool, per client.
+
+  ``pool`` None: drawn from the world (``4 num train_size`` samples, ``train_size``
+  per client). Else the group's examples read through TFDS (:func:`_tfds_sets`),
+  all of them split the standard way (``samples_per_client=None``: client sizes
+  vary, ``train_size`` on average) by their class label, or for the multimodal
+  clients by each image's first object class (COCO's id order; 0 when none).
+  """
   spec = config.clients[name]
-  modalities, task = GROUPS[name]
+  modalities, _ = GROUPS[name]
+  task = _group_task(config, name)
   label_key = task[2] if task else "label10"
+  keys = [k for m in modalities for k in (("image",) if m == "image" else ("caption",))]
+  if task:
+    keys.append(task[2])
+  if pool is not None:
+    labels = pool[label_key] if task else np.argmax(pool["multilabel"], axis=1)
+    try:
+      parts = data.dirichlet_partition(
+        labels, spec.num, alpha=config.alpha, seed=config.seed * 1000 + group_index
+      )
+    except ValueError as e:
+      raise ConfigError(
+        f"data: the {name} clients' {len(labels)} examples (data.limit={config.data.limit}) "
+        f"cannot be split among {spec.num} clients: {e}"
+      ) from None
+    clients = [{k: v for k, v in c.items() if k in keys} for c in data.split_clients(pool, parts)]
+    stacked, mask = data.stack_clients(clients)
+    return core.make_client_data(stacked, mask, user_ids=np.arange(spec.num))
   pool = data.generate(
     config.seed * 1000 + 10 + group_index, 4 * spec.num * spec.train_size, config=_world(config)
   )
@@ -242,9 +362,6 @@ def _client_data(config, name: str, group_index: int):
     seed=config.seed * 1000 + group_index,
     samples_per_client=spec.train_size,
   )
-  keys = [k for m in modalities for k in (("image",) if m == "image" else ("caption",))]
-  if task:
-    keys.append(task[2])
   checkpoint = text_tokenizer(config)
   if checkpoint is not None and "caption" in keys:
     pool["caption"] = text_lib.retokenize(pool["caption"], checkpoint)
@@ -261,11 +378,39 @@ def _test_set(
   captions = test["caption"]  # [N, C, L]
   if checkpoint is not None:
     captions = text_lib.retokenize(captions, checkpoint)
+  return _retrieval_set(test["image"], captions)
+
+
+def _retrieval_set(images: np.ndarray, captions: np.ndarray) -> dict[str, jax.Array]:
+  """``image [N, S, S, 3]``, captions ``[N, C, L]`` -> the flat layout the recall reads."""
   return {
-    "image": jnp.asarray(test["image"]),
+    "image": jnp.asarray(images),
     "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
     "ids": jnp.asarray(np.repeat(np.arange(captions.shape[0]), captions.shape[1])),
   }
+
+
+def num_test_images(config, available: int) -> int:
+  """``N``, the test images used of ``available``: ``max(test.sizes)``, or fewer when
+  ``data.limit`` leaves fewer.
+
+  Every size ``s`` of ``test.sizes`` is scored as the mean over ``max(test.sizes) / s``
+  folds, so a smaller ``N`` is cut to a multiple of every fold count and each fold
+  holds ``N / folds`` images (the 1K and 5K protocols scaled down alike). Raises
+  :class:`ConfigError` when a fold would hold fewer than 2 images.
+  """
+  sizes = tuple(config.test.sizes)
+  if available >= max(sizes):
+    return max(sizes)
+  folds = [max(sizes) // n for n in sizes]
+  step = int(np.lcm.reduce(folds))
+  num = available // step * step
+  if num < 2 * max(folds):
+    raise ConfigError(
+      f"data: the test split gives {available} images (data.limit={config.data.limit}), too "
+      f"few for test.sizes {sizes}: {max(folds)} folds of at least 2 images."
+    )
+  return num
 
 
 class VqaData(NamedTuple):
@@ -392,19 +537,23 @@ def vqa_accuracy(config, graphdef, params, qa: VqaData) -> dict[str, Any]:
   return result
 
 
-def _client_groups(config, root, *, server_size: bool = False):
+def _client_groups(config, root, *, server_size: bool = False, pools=None, train_data=None):
   """The three client groups, their stacked initial states, private data and display names.
 
   ``server_size``: every client's encoders are the server's (Table 1's FedAvg /
   FedIoT rows, :mod:`fedjax_mm.algorithms.creamfl_fedavg`); the private data
-  are the same either way.
+  are the same either way. ``pools``: each group's examples read through TFDS
+  (:func:`_tfds_sets`), None on the world; ``train_data``: the groups' private
+  data already built (then returned as given).
   """
   world = _world(config)
   text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
+  given = train_data
   clients, states, train_data, names = [], [], [], []
   for g, name in enumerate(GROUPS):
     spec = config.clients[name]
-    modalities, task = GROUPS[name]
+    modalities, _ = GROUPS[name]
+    task = _group_task(config, name)
     tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     if task:
       kind, input_key, target_key, outputs, head = task
@@ -448,9 +597,65 @@ def _client_groups(config, root, *, server_size: bool = False):
     )
     clients.append(creamfl.ClientGroup(group, modalities))
     states.append(state)
-    train_data.append(_client_data(config, name, g))
+    if given is not None:
+      train_data.append(given[g])
+    else:
+      train_data.append(_client_data(config, name, g, None if pools is None else pools[name]))
     names += [f"{name} client {k + 1}" for k in range(spec.num)]
   return tuple(clients), tuple(states), tuple(train_data), names
+
+
+def _tfds_sets(config) -> dict[str, Any]:
+  """The clients' pools, the public set and the test set read through TFDS.
+
+  Every ``(dataset, split)`` is read once and cut in disjoint, seeded slices
+  (:func:`fedjax_mm.runner.tfds_sets.read_disjoint`; at most ``data.limit`` examples
+  of a split, a pool smaller than what is asked of it shared in proportion): each
+  client group asks ``num x train_size`` examples of ``data.clients.<group>``'s train
+  split, the public set ``public.size`` of ``data.public``'s train split after them
+  (so none is a multimodal client's when both read ``coco_captions``), the test set
+  ``max(test.sizes)`` images of its test split, all their captions (5 per image,
+  cycled). Images are resized to ``image_size``; text goes through the ``hf:`` text
+  towers' tokenizer. The public set is cut to a multiple of ``creamfl.batch_size``;
+  the test set to :func:`num_test_images`.
+
+  Returns:
+    ``{"image" | "text" | "multimodal": the group's pool, "public": {image, caption
+    [P, C, L]}, "test": {"public": the retrieval test set}}``.
+  """
+  block = config.data
+  tokenizer = tfds_data.hf_tokenizer(text_tokenizer(config), text_lib.HF_MAX_LEN)
+  wants: dict[tuple[str, str], list[tuple[str, int]]] = {}
+  for name in GROUPS:
+    spec = config.clients[name]
+    read = (block.clients[name], tfds_data.READERS[block.clients[name]].splits[0])
+    wants.setdefault(read, []).append((name, spec.num * spec.train_size))
+  train_split, test_split = tfds_data.READERS[block.public].splits
+  wants.setdefault((block.public, train_split), []).append(("public", config.public.size))
+  wants.setdefault((block.public, test_split), []).append(("test", max(config.test.sizes)))
+  image_only = (block.clients.image, tfds_data.READERS[block.clients.image].splits[0])
+  sets = read_disjoint(
+    wants,
+    seed=config.seed,
+    data_dir=block.get("data_dir") or None,
+    limit=block.get("limit") or None,
+    image_size=config.image_size,
+    tokenizer=lambda name, split: None if (name, split) == image_only else tokenizer,
+  )
+  c = config.creamfl
+  num_public = len(sets["public"]["image"]) // c.batch_size * c.batch_size
+  if num_public < max(c.batch_size, c.public_batch_size or 1):
+    raise ConfigError(
+      f"the public set read has {len(sets['public']['image'])} examples (data.limit="
+      f"{block.limit}), fewer than one batch (creamfl.batch_size={c.batch_size}"
+      + (f", public_batch_size={c.public_batch_size}" if c.public_batch_size else "")
+      + ")."
+    )
+  sets["public"] = data.take(sets["public"], np.arange(num_public))
+  test = sets.pop("test")
+  num_test = num_test_images(config, len(test["image"]))
+  sets["test"] = {"public": _retrieval_set(test["image"][:num_test], test["caption"][:num_test])}
+  return sets
 
 
 def build(config):
@@ -458,13 +663,15 @@ def build(config):
 
   The test sets are ``{"public": ..., "private": ...}`` (the latter only with
   ``test.private_size``), each ``image [N, S, S, 3]``, ``caption [N C, L]``
-  and ``ids [N C]``.
+  and ``ids [N C]``. With ``data.source = "tfds"`` the data are read by
+  :func:`_tfds_sets` (no private test).
   """
   validate(config)
   world = _world(config)
   root = jax.random.key(config.seed)
   text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
-  clients, states, train_data, names = _client_groups(config, root)
+  sets = _tfds_sets(config) if data_source(config) == "tfds" else None
+  clients, states, train_data, names = _client_groups(config, root, pools=sets)
 
   server_model = creamfl.DualEncoder(
     config.server.image_encoder,
@@ -480,6 +687,9 @@ def build(config):
     graphdef, optax.adamw(config.server_learning_rate, weight_decay=config.weight_decay)
   )
 
+  if sets is not None:
+    public = {k: jnp.asarray(sets["public"][k]) for k in ("image", "caption")}
+    return clients, states, train_data, server, server_params, public, sets["test"], names
   public = data.generate(
     config.seed * 1000 + 1, config.public.size, config=world, shift=config.public.shift
   )
@@ -513,9 +723,10 @@ def build(config):
 # The experiment
 
 
-def _bytes_per_client(config, clients) -> tuple[np.ndarray, np.ndarray]:
-  """Bytes one selected client sends and receives per round (``[num_clients]`` each)."""
-  matrix = jax.ShapeDtypeStruct((config.public.size, config.rep_dim), jnp.float32)
+def _bytes_per_client(config, clients, num_public: int) -> tuple[np.ndarray, np.ndarray]:
+  """Bytes one selected client sends and receives per round (``[num_clients]`` each), for a
+  public set of ``num_public`` pairs (``public.size``, or fewer read through TFDS)."""
+  matrix = jax.ShapeDtypeStruct((num_public, config.rep_dim), jnp.float32)
   down = ledger_lib.tree_bytes({m: matrix for m in creamfl.MODALITIES})  # I_glob, T_glob
   up, downs = [], []
   for client, spec_name in zip(clients, GROUPS, strict=True):
@@ -576,10 +787,20 @@ def chance_recall(
   return out
 
 
-def _chance(config) -> dict[str, dict[str, float]]:
-  """Chance recall of every table: per test size (its fold size) and the private test."""
+def _fold_images(config, num_test: int | None = None) -> dict[str, int]:
+  """Images per fold of each test size: ``s`` itself, or ``N / folds`` when ``N < max(sizes)``."""
+  sizes = tuple(config.test.sizes)
+  num = max(sizes) if num_test is None else num_test
+  return {size_label(n): num // (max(sizes) // n) for n in sizes}
+
+
+def _chance(config, num_test: int | None = None) -> dict[str, dict[str, float]]:
+  """Chance recall of every table: per test size (its fold size) and the private test.
+
+  ``num_test``: the test images read (:func:`num_test_images`; None: ``max(test.sizes)``).
+  """
   c = data.WorldConfig().captions_per_image
-  out = {size_label(n): chance_recall(n, c) for n in config.test.sizes}
+  out = {k: chance_recall(n, c) for k, n in _fold_images(config, num_test).items()}
   if config.test.private_size:
     out["private"] = chance_recall(config.test.private_size, c)
   return out
@@ -612,7 +833,7 @@ def experiment(config) -> loop.Experiment:
     # Clients of the server's size on the same private data; the public set goes to the
     # multimodal clients (CreamFL, Sec. 4.1).
     avg_clients, avg_states, avg_data, _ = _client_groups(
-      config, jax.random.key(config.seed), server_size=True
+      config, jax.random.key(config.seed), server_size=True, train_data=train_data
     )
     avg_data = tuple(
       creamfl_fedavg.with_public(d, public) if c.multimodal else d
@@ -628,7 +849,12 @@ def experiment(config) -> loop.Experiment:
   rounds = {m: rounds[m] for m in methods}
 
   sizes = tuple(config.test.sizes)
-  num_test = max(sizes)
+  # Each size is a mean over max(sizes) / size folds of the test set (of N <= max(sizes)
+  # images when data.limit cut a TFDS one: num_test_images).
+  folds = [max(sizes) // n for n in sizes]
+  data_note = None
+  if data_source(config) == "tfds":  # what was read, beside what the config asked
+    data_note = _data_note(config, train_data, public, test)
 
   @jax.jit
   def embed(params, images, captions):  # The test set is an argument, not a baked constant.
@@ -649,7 +875,7 @@ def experiment(config) -> loop.Experiment:
   def evaluate(s) -> dict[str, dict[str, float]]:
     """``{size label: recall, ...}`` on the public-distribution test, ``"private"`` too if any;
     after the last round also ``"vqa"`` (:func:`vqa_accuracy`), when ``vqa.enabled``."""
-    public = recall_of(s.server_params, test["public"], [num_test // n for n in sizes])
+    public = recall_of(s.server_params, test["public"], folds)
     out = {size_label(n): r for n, r in zip(sizes, public, strict=True)}
     if "private" in test:
       out["private"] = recall_of(s.server_params, test["private"], [None])[0]
@@ -666,7 +892,7 @@ def experiment(config) -> loop.Experiment:
       bad += [names[i] for i in np.flatnonzero(~flags)]
     return bad
 
-  up_bytes, down_bytes = _bytes_per_client(config, clients)
+  up_bytes, down_bytes = _bytes_per_client(config, clients, public["image"].shape[0])
 
   def traffic(m, out):
     if m == LOCAL:
@@ -716,7 +942,7 @@ def experiment(config) -> loop.Experiment:
     scalars=scalars,
     runs=("creamfl",),
     report=lambda outcome: _report(
-      config, methods, outcome, None if qa is None else _vqa_protocol(config, qa)
+      config, methods, outcome, None if qa is None else _vqa_protocol(config, qa), data_note
     ),
     traffic=traffic,
     eval_every=config.eval_every,
@@ -741,11 +967,11 @@ def _recall_table(rows: Sequence[Sequence[Any]], chance: Mapping[str, float]) ->
   return report_lib.format_table(["method", *RECALL_KEYS], rows)
 
 
-def _protocol(config) -> dict[str, Any]:
+def _protocol(config, num_test: int | None = None) -> dict[str, Any]:
   sizes = list(config.test.sizes)
-  return {
+  out = {
     "test_sizes": sizes,
-    "test_images": max(sizes),
+    "test_images": max(sizes) if num_test is None else num_test,
     "folds": {size_label(n): max(sizes) // n for n in sizes},
     "captions_per_image": data.WorldConfig().captions_per_image,
     "shift": config.test.shift,
@@ -753,6 +979,9 @@ def _protocol(config) -> dict[str, Any]:
     "private_size": config.test.private_size,
     "r1_sum": " + ".join(f"{d}_R@1({size_label(n)})" for n in sizes for d in ("i2t", "t2i")),
   }
+  if num_test is not None and num_test < max(sizes):  # data.limit scaled the protocols down
+    out["fold_images"] = _fold_images(config, num_test)
+  return out
 
 
 def _vqa_protocol(config, qa: VqaData) -> dict[str, Any]:
@@ -795,34 +1024,88 @@ def _vqa_table(methods, results) -> str:
   return report_lib.format_table(["method", "accuracy", "blind", "vs blind", *types], rows)
 
 
-def _describe_tests(config) -> str:
-  sizes, num = tuple(config.test.sizes), max(config.test.sizes)
+def _describe_tests(config, data_note: Mapping[str, Any] | None = None) -> str:
+  """The retrieval tests in words: images, captions, where they come from, folds."""
+  sizes = tuple(config.test.sizes)
+  num = max(sizes) if data_note is None else data_note["test_images"]
   c = data.WorldConfig().captions_per_image
-  where = (
-    "the public set's distribution"
-    if config.test.shift == config.public.shift
-    else "NOT the public set's distribution"
-  )
+  per_fold = _fold_images(config, num)
   parts = [
-    f"{size_label(n)} = mean over {num // n} folds of {n} images"
-    if n < num
-    else f"{size_label(n)} = all {n} images"
+    f"{size_label(n)} = mean over {max(sizes) // n} folds of {per_fold[size_label(n)]} images"
+    if n < max(sizes)
+    else f"{size_label(n)} = all {num} images"
     for n in sizes
   ]
+  if data_note is not None:
+    lead = (
+      f"{num} test images x {c} captions of {data_note['datasets']['test']} (the public "
+      "set's dataset)"
+    )
+  else:
+    where = (
+      "the public set's distribution"
+      if config.test.shift == config.public.shift
+      else "NOT the public set's distribution"
+    )
+    lead = f"{num} held-out test images x {c} captions at shift {config.test.shift} ({where})"
+  return f"{lead}; " + "; ".join(parts)
+
+
+def _data_note(config, train_data, public, test) -> dict[str, Any]:
+  """What a TFDS run read: datasets and splits, each client's examples, public and test sizes."""
+  block = config.data
+  names = {**{g: block.clients[g] for g in GROUPS}, "public": block.public, "test": block.public}
+  splits = {k: tfds_data.READERS[v].splits[0] for k, v in names.items()}
+  splits["test"] = tfds_data.READERS[block.public].splits[1]
+  num_test = int(test["public"]["image"].shape[0])
+  return {
+    "source": "tfds",
+    "datasets": names,
+    "splits": splits,
+    "limit": block.limit,
+    "image_size": config.image_size,
+    "train_sizes": {
+      g: [int(n) for n in np.asarray(d.num_samples)]
+      for g, d in zip(GROUPS, train_data, strict=True)
+    },
+    "public_size": int(public["image"].shape[0]),
+    "test_images": num_test,
+    "fold_images": _fold_images(config, num_test),
+  }
+
+
+def _data_section(note: Mapping[str, Any]) -> tuple[str, str]:
+  """The report's section: one row per set, the dataset and split it read, its examples."""
+  rows = [
+    [f"{g} clients ({len(sizes)})", f"{note['datasets'][g]} ({note['splits'][g]})", sizes]
+    for g, sizes in note["train_sizes"].items()
+  ]
+  rows = [[name, where, " / ".join(map(str, sizes))] for name, where, sizes in rows]
+  for key, size in (("public", note["public_size"]), ("test", note["test_images"])):
+    what = "public set" if key == "public" else "test set (images, 5 captions each)"
+    rows.append([what, f"{note['datasets'][key]} ({note['splits'][key]})", str(size)])
+  table = report_lib.format_table(["set", "dataset (split)", "examples"], rows)
   return (
-    f"{num} held-out test images x {c} captions at shift {config.test.shift} ({where}); "
-    + "; ".join(parts)
+    f"Data (TFDS, data.limit={note['limit']}, images {note['image_size']} px)",
+    table + "\n\nClients' examples per client (a Dirichlet split of the group's pool).",
   )
 
 
 def _report(
-  config, methods, outcome: loop.Outcome, vqa_protocol: Mapping[str, Any] | None = None
+  config,
+  methods,
+  outcome: loop.Outcome,
+  vqa_protocol: Mapping[str, Any] | None = None,
+  data_note: Mapping[str, Any] | None = None,
 ) -> loop.Report:
   """CreamFL's Table 1 (one table per test size, R@1_sum over all), plus bytes per round;
-  Table 2's analogue when ``vqa_protocol`` (the VQA analogue ran) is given."""
+  Table 2's analogue when ``vqa_protocol`` (the VQA analogue ran) is given; what each
+  set read when ``data_note`` (a TFDS run, :func:`_data_note`) is given."""
   results, rounds = outcome.final, config.rounds
   sizes = tuple(config.test.sizes)
-  chance = _chance(config)
+  num_test = None if data_note is None else data_note["test_images"]
+  num_public = config.public.size if data_note is None else data_note["public_size"]
+  chance = _chance(config, num_test)
   fmt = report_lib.format_table
   local_sum = r1_sum(results[LOCAL], sizes) if LOCAL in results else None
   summary_rows, traffic = [], {}
@@ -851,13 +1134,13 @@ def _report(
       [[m, *(results[m]["private"][k] for k in RECALL_KEYS)] for m in methods], chance["private"]
     )
   wall, start_round = outcome.wall_time_s, outcome.resumed_at
-  protocol = _protocol(config)
+  protocol = _protocol(config, num_test)
   description = (
     f"Server ({config.server.image_encoder} + {config.server.text_encoder}) after {rounds} rounds; "
-    f"Recall@K (%) on {_describe_tests(config)}. R@1_sum = {protocol['r1_sum']} (CreamFL's "
+    f"Recall@K (%) on {_describe_tests(config, data_note)}. R@1_sum = {protocol['r1_sum']} (CreamFL's "
     f"Table 1; RSUM adds all {6 * len(sizes)} recalls). "
     f"{sum(config.clients[g].num for g in GROUPS)} clients, "
-    f"{config.creamfl.num_selected} per round, P={config.public.size}, d={config.rep_dim}, "
+    f"{config.creamfl.num_selected} per round, P={num_public}, d={config.rep_dim}, "
     f"gamma={config.creamfl.lcr_weight}, seed {config.seed}; wall time {wall:.0f} s"
     + (f" (resumed at round {start_round})" if start_round else "")
   )
@@ -873,6 +1156,8 @@ def _report(
   for n in sizes:
     label = size_label(n)
     sections.append((f"{label} test: Recall@K (%)", tables[label]))
+  if data_note is not None:
+    sections.append(_data_section(data_note))
   if private is not None:
     sections.append(
       (
@@ -918,6 +1203,8 @@ def _report(
   }
   if private is not None:
     result["private_recall"] = {m: results[m]["private"] for m in methods}
+  if data_note is not None:
+    result["data"] = dict(data_note)
   if vqa_protocol is not None:
     first = results[methods[0]]["vqa"]
     result["vqa"] = {

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +60,8 @@ from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.tfds_sets import data_source, read_disjoint
+from fedjax_mm.runner.tfds_sets import reader as _reader
 from fedjax_mm.runner.writers import metric_series
 
 #: Task name -> (kind, input key, target key, outputs on the world, head). With
@@ -236,20 +237,6 @@ def test_sizes(config) -> dict[str, int]:
   return {t: config.test_size if given.get(t) is None else given[t] for t in TASKS}
 
 
-def data_source(config) -> str:
-  """``config.data.source``: ``"world"`` (also for a config without a ``data`` block) or ``"tfds"``."""
-  block = config.get("data") if hasattr(config, "get") else None
-  return "world" if block is None else block.get("source", "world")
-
-
-def _reader(where: str, name: str) -> tfds_data.Reader:
-  if name not in tfds_data.READERS:
-    raise ConfigError(
-      f"{where}: unknown TFDS dataset {name!r}; known: {', '.join(tfds_data.READERS)}."
-    )
-  return tfds_data.READERS[name]
-
-
 def _tfds_reads(config, users: Sequence[User], methods: Sequence[str]) -> list[tuple[str, str]]:
   """The ``(dataset, split)`` pairs a ``data.source = "tfds"`` run reads, checked.
 
@@ -399,32 +386,22 @@ def _tfds_sets(config, users: Sequence[User]):
       wants.setdefault((name, test_split), []).append((("test", u.index), size))
   public_read = (block.public, tfds_data.READERS[block.public].splits[0])
   wants.setdefault(public_read, []).append((("public", -1), config.public.size))
-  sets = {}
-  for (name, split), asked in wants.items():
-    pool = tfds_data.num_examples(name, split=split, data_dir=data_dir, limit=limit)
-    sizes = _shares([n for _, n in asked], pool, f"{name} {split!r}", limit)
-    key = zlib.crc32(f"{name}/{split}".encode())
-    order = np.random.default_rng([config.seed, key]).permutation(pool)
-    bounds = np.cumsum([0, *sizes])
-    # Each set's indices sorted: a set is unordered, and the files are read in order.
-    indices = np.concatenate(
-      [np.sort(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    )
+
+  def reads_text(name, split):
     texts = name in tfds_data.NEEDS_TOKENIZER or (
       (name, split) == public_read and "text" in config.public.modalities
     )
-    arrays = tfds_data.load(
-      name,
-      split=split,
-      data_dir=data_dir,
-      limit=limit,
-      image_size=block.image_size,
-      tokenizer=tokenizer if texts else None,
-      indices=indices,
-    )
-    arrays = text_lib.split_joint(arrays, spaces)
-    for (who, _), a, b in zip(asked, bounds[:-1], bounds[1:], strict=True):
-      sets[who] = data.take(arrays, np.arange(a, b))
+    return tokenizer if texts else None
+
+  sets = read_disjoint(
+    wants,
+    seed=config.seed,
+    data_dir=data_dir,
+    limit=limit,
+    image_size=block.image_size,
+    tokenizer=reads_text,
+  )
+  sets = {who: text_lib.split_joint(arrays, spaces) for who, arrays in sets.items()}
   public = sets.pop(("public", -1))
   num_public = len(public["image" if "image" in public else "caption"])
   needed = {"one batch (muscle.batch_size)": config.muscle.batch_size}
@@ -441,24 +418,6 @@ def _tfds_sets(config, users: Sequence[User]):
   train = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "train"]
   test = [(i, _own_captions(users[i], d)) for (kind, i), d in sets.items() if kind == "test"]
   return train, test, public
-
-
-def _shares(asked: Sequence[int], pool: int, where: str, limit: int | None) -> list[int]:
-  """How many examples each of the sets cut from one pool gets: what it asked, or a share.
-
-  When the pool is smaller than the sum asked, each set gets ``floor(asked * pool /
-  sum)``; a set left with none raises :class:`ConfigError`.
-  """
-  total = sum(asked)
-  if total <= pool:
-    return list(asked)
-  sizes = [n * pool // total for n in asked]
-  if min(sizes) < 1:
-    raise ConfigError(
-      f"data: {where} has {pool} examples (data.limit={limit or 0}) for {len(asked)} sets "
-      f"asking {total}: too few to give each one."
-    )
-  return sizes
 
 
 def build(config):

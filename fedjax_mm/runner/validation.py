@@ -231,6 +231,7 @@ CREAMFL: dict[str, Range] = {
   "vqa.batch_size": COUNT,
   "vqa.learning_rate": POSITIVE,
   "vqa.hidden": COUNT,
+  "data.limit": NON_NEGATIVE_INT,
   **FAULTS,
 }
 
