@@ -1,6 +1,7 @@
 """Client engine throughput: one vmapped round vs a Python loop over clients.
 
   python -m experiments.benchmarks.engine_throughput [--clients=8,64,512] [--steps=10]
+      [--compute_dtype=bfloat16]
 
 N clients of a small CNN (``cnn_s``, d=64, linear 10-class head) on the embedded
 world, each with ``steps * batch`` samples, so one local epoch is ``steps``
@@ -48,6 +49,14 @@ _XLA_LIMIT = flags.DEFINE_integer(
   "xla_limit",
   8,
   "Time the native-convolution contenders (one timed run each: they are slow) up to this N.",
+)
+
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+  "compute_dtype",
+  "float32",
+  core.client.COMPUTE_DTYPES,
+  "Mixed precision: the dtype every contender's forward and backward pass runs in "
+  "(GroupDef.compute_dtype); parameters and optimiser state stay float32.",
 )
 
 TASK = core.Task("classification", "image", "label10", 10)
@@ -128,6 +137,7 @@ def _group(impl, num_clients, batch, client_map="vmap"):
     num_clients=num_clients,
     batch_size=batch,
     client_map=client_map,
+    compute_dtype=None if _COMPUTE_DTYPE.value == "float32" else _COMPUTE_DTYPE.value,
   )
 
 
@@ -163,7 +173,7 @@ def main(argv):
   auto = core.resolve_client_map("auto")
   print(
     f"cnn_s clients, {steps} local steps of batch {batch}, "
-    f"device={device.device_kind} x{jax.device_count()}; "
+    f"device={device.device_kind} x{jax.device_count()}; compute in {_COMPUTE_DTYPE.value}; "
     f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s; client_map='auto' is {auto!r} here"
   )
   print(
