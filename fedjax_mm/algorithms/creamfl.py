@@ -99,6 +99,16 @@ Clients of a group are stacked ``[K, ...]`` and trained together by
 over each client's start-of-round parameters. Clients not selected are masked:
 they take no step and weigh 0 in every aggregate.
 
+**Token spaces.** The paper's server reads captions with BERT while its text and
+multimodal clients run GRUs (Sec. 4.1, App. A.2): the towers read the same captions
+through different tokenizers. Every text tower therefore reads the captions of its
+own token space (:mod:`fedjax_mm.runner.text`): :class:`ServerDef` and each
+:class:`ClientGroup` carry a ``text_key`` (``caption``, or ``caption:<checkpoint>``),
+and the public set (and each group's private data) holds the same captions once
+per space read. Representations are of the same public samples whatever the space,
+so steps 3-7 compare them as before; images and everything else are shared. A run
+of one space (every tower on ``caption``) is exactly the single-tokenizer round.
+
 Client faults (:mod:`fedjax_mm.core.faults`, off by default), drawn per round
 among the selected clients: a **dropped** client trains but its local
 representations never arrive (it is absent from step 6's aggregation and from
@@ -135,7 +145,7 @@ from fedjax_mm.core.client import (
   train_group,
 )
 from fedjax_mm.core.sharding import replicate
-from fedjax_mm.core.tasks import masked_mean
+from fedjax_mm.core.tasks import CAPTION_KEY, is_caption_key, masked_mean
 from fedjax_mm.server import aggregate, gca, kd_aggregate
 
 Array = jax.Array
@@ -237,10 +247,19 @@ class RetrievalTask:
 
 
 def retrieval_objective(
-  model: nnx.Module, batch: dict[str, Array], mask: Array, key: Array, temperature: float
+  model: nnx.Module,
+  batch: dict[str, Array],
+  mask: Array,
+  key: Array,
+  temperature: float,
+  text_key: str = CAPTION_KEY,
 ) -> Array:
-  """Symmetric InfoNCE between images and one random caption each (masked mean)."""
-  captions = batch["caption"]
+  """Symmetric InfoNCE between images and one random caption each (masked mean).
+
+  ``text_key``: the key of the captions the model's text tower reads (its token
+  space: ``caption`` or ``caption:<checkpoint>``, :mod:`fedjax_mm.runner.text`).
+  """
+  captions = batch[text_key]
   if captions.ndim == 3:  # [b, C, L]: pick one caption per sample
     choice = jax.random.randint(key, (captions.shape[0],), 0, captions.shape[1])
     captions = jnp.take_along_axis(captions, choice[:, None, None], axis=1)[:, 0]
@@ -428,10 +447,23 @@ class CreamState:
 
 @dataclasses.dataclass(frozen=True)
 class ServerDef:
-  """Static description of the server: model graph and optimizer."""
+  """Static description of the server: model graph, optimizer, the captions it reads.
+
+  Attributes:
+    graphdef: the server's :class:`DualEncoder` graph.
+    tx: its optimizer (steps 1 and 7).
+    text_key: the public set's key of the captions its text tower reads: ``caption``
+      (the world's ids, or the zoo's tokenizer's on TFDS) or ``caption:<checkpoint>``
+      (an ``hf:`` tower's tokens; :func:`fedjax_mm.runner.text.caption_key`).
+  """
 
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
+  text_key: str = CAPTION_KEY
+
+  def __post_init__(self):
+    if not is_caption_key(self.text_key):
+      raise ValueError(f"text_key must be a caption key, got {self.text_key!r}.")
 
   def merge(self, params: PyTree) -> nnx.Module:
     return nnx.merge(self.graphdef, params)
@@ -445,10 +477,23 @@ class ClientGroup:
     group: static group definition (its ``task`` is a ``core.Task`` for the
       uni-modal groups and a :class:`RetrievalTask` for the multimodal one).
     modalities: ``("image",)``, ``("text",)`` or ``("image", "text")``.
+    text_key: the key of the captions its text tower reads, in its private data
+      and in the public set (its token space; :class:`ServerDef`'s ``text_key``).
+      A text-only group's ``core.Task`` must read the same key (``input_key``).
   """
 
   group: GroupDef
   modalities: tuple[str, ...]
+  text_key: str = CAPTION_KEY
+
+  def __post_init__(self):
+    if not is_caption_key(self.text_key):
+      raise ValueError(f"text_key must be a caption key, got {self.text_key!r}.")
+    input_key = getattr(getattr(self.group, "task", None), "input_key", None)
+    if self.modalities == ("text",) and input_key is not None and input_key != self.text_key:
+      raise ValueError(
+        f"a text group's task reads {input_key!r}, its text_key is {self.text_key!r}."
+      )
 
   @property
   def multimodal(self) -> bool:
@@ -459,21 +504,32 @@ class ClientGroup:
 # Pieces of the round
 
 
-def _public_inputs(public: dict[str, Array], modality: str, index: Array) -> Array:
-  """Inputs of public samples ``index``; text is each sample's first caption."""
+def _public_inputs(
+  public: dict[str, Array], modality: str, index: Array, text_key: str = CAPTION_KEY
+) -> Array:
+  """Inputs of public samples ``index``; text is each sample's first caption under ``text_key``.
+
+  The public set holds the same captions once per token space the run's text towers
+  read (``caption``, ``caption:<checkpoint>``); a tower reads those of its own space,
+  so every tower represents the same public samples. Images are shared.
+  """
   if modality == "image":
     return public["image"][index]
-  return public["caption"][index, 0]
+  return public[text_key][index, 0]
 
 
 def public_representations(
-  model: nnx.Module, modality: str, public: dict[str, Array], batch_size: int
+  model: nnx.Module,
+  modality: str,
+  public: dict[str, Array],
+  batch_size: int,
+  text_key: str = CAPTION_KEY,
 ) -> Array:
-  """``[P, d]`` representations of the public set (text: first caption), in batches."""
+  """``[P, d]`` representations of the public set (text: first caption of ``text_key``), in batches."""
   num_public = public["image"].shape[0]
   index = jnp.arange(num_public)
   return apply_in_batches(
-    lambda idx: represent(model, modality, _public_inputs(public, modality, idx)),
+    lambda idx: represent(model, modality, _public_inputs(public, modality, idx, text_key)),
     index,
     batch_size,
   )
@@ -488,7 +544,10 @@ def _private_objective(client: ClientGroup):
   def objective_fn(g, shared):
     def objective(params, batch, mask, key):
       model = g.merge(params, shared)
-      return retrieval_objective(model, batch, mask, key, group.task.temperature), {}
+      loss = retrieval_objective(
+        model, batch, mask, key, group.task.temperature, text_key=client.text_key
+      )
+      return loss, {}
 
     return objective
 
@@ -514,7 +573,10 @@ def regulariser_objective(
   to the server's global representation ``g_m`` of the same sample and
   modality (the server-to-client transfer of FedMD / FedET / FedGEMS). The intra-modal negative is
   the representation by ``start_params``, the client's parameters at the START
-  of the round (its model "of the last round", eq. (2)); it is a constant.
+  of the round (its model "of the last round", eq. (2)); it is a constant. The
+  client's text tower reads the public captions of its own token space
+  (``client.text_key``); the global representations it is compared with are the
+  server's of the same samples, whatever space the server's text tower reads.
   :func:`local_objective` weighs this by ``gamma``.
   """
   group = client.group
@@ -527,7 +589,7 @@ def regulariser_objective(
     others = jnp.stack([global_reps[m][index] for m in MODALITIES])  # [2, B, d]
     total, aux = 0.0, {}
     for m in client.modalities:
-      x = _public_inputs(public, m, index)
+      x = _public_inputs(public, m, index, client.text_key)
       z = represent(model, m, x)
       previous = jax.lax.stop_gradient(represent(previous_model, m, x))
       l_inter = losses.inter_modal_contrast(
@@ -611,7 +673,8 @@ def local_objective(
     shared: the group's untrained shared parameters.
     start_params: the client's parameters at the start of the round (eq.
       (2)'s negative).
-    public: ``image [P, S, S, 3]`` and ``caption [P, C, L]``.
+    public: ``image [P, S, S, 3]`` and the captions ``[P, C, L]`` of every token
+      space (the client reads ``client.text_key``'s).
     global_reps: ``{modality: [P, d]}``, the server's global representations.
     config: ``lcr_weight`` is ``gamma``.
     var: the variant (which regulariser terms run).
@@ -660,12 +723,15 @@ def _public_pass(objective, tx, params, opt_state, rng, num_public, batch_size, 
 
 
 def server_retrieval_objective(server: ServerDef, public: dict[str, Array], temperature: float):
-  """Step 1: the server's symmetric InfoNCE on public pairs (a random caption each)."""
+  """Step 1: the server's symmetric InfoNCE on public pairs (a random caption each, of
+  ``server.text_key``)."""
+  text_key = server.text_key
 
   def objective(params, batch, mask, key):
     model = server.merge(params)
-    sub = {"image": public["image"][batch["index"]], "caption": public["caption"][batch["index"]]}
-    return retrieval_objective(model, sub, mask, key, temperature), {}
+    index = batch["index"]
+    sub = {"image": public["image"][index], text_key: public[text_key][index]}
+    return retrieval_objective(model, sub, mask, key, temperature, text_key=text_key), {}
 
   return objective
 
@@ -720,7 +786,7 @@ def server_kd_objective(
     others = local_reps[partners][:, index]  # [M, B, d]
     total = 0.0
     for m in MODALITIES:
-      z = represent(model, m, _public_inputs(public, m, index))
+      z = represent(model, m, _public_inputs(public, m, index, server.text_key))
       distance = losses.representation_distance(z, targets[m][index], where=mask)
       muscle = losses.muscle_loss(z, others, tau=config.muscle_tau_full, gamma=config.muscle_gamma)
       total = (
@@ -836,8 +902,10 @@ def creamfl(
   ``init(server_params, client_states, key)`` and
   ``round(state, data, public, variant) -> (state, stats)`` where ``data`` is
   the per-group :class:`ClientData` (sample counts and client masks are read
-  from it), ``public`` holds ``image [P, S, S, 3]`` and ``caption [P, C, L]``
-  and ``variant`` is a :class:`Variant`. ``stats`` holds the participation
+  from it), ``public`` holds ``image [P, S, S, 3]`` and the captions ``[P, C, L]``
+  of every token space read (``server.text_key`` and each group's ``text_key``:
+  the same captions, tokenised for each text tower) and ``variant`` is a
+  :class:`Variant`. ``stats`` holds the participation
   mask per group (``active``), the number of local matrices received per
   modality, losses, and finiteness flags of the server and of each client;
   with ``faults`` (default: none) also ``fault_counts`` and ``dropped`` per
@@ -919,7 +987,8 @@ def creamfl(
 
     # 3. Global representations of the public set, sent to the selected clients.
     global_reps = {
-      m: public_representations(server_model, m, public, config.batch_size) for m in MODALITIES
+      m: public_representations(server_model, m, public, config.batch_size, server.text_key)
+      for m in MODALITIES
     }
 
     # 4-5. Local training on eq. (3), local representations of the public set.
@@ -948,7 +1017,8 @@ def creamfl(
       def reps(params, shared=cstate.shared, client=client):
         model = client.group.merge(params, shared)
         return {
-          m: public_representations(model, m, public, config.batch_size) for m in client.modalities
+          m: public_representations(model, m, public, config.batch_size, client.text_key)
+          for m in client.modalities
         }
 
       group_reps = jax.vmap(reps)(cstate.params)  # {m: [K, P, d]}
