@@ -65,6 +65,10 @@ pairs, representations of dimension 512 (Fig. 4), a ResNet-101 + BERT server,
 tested on MS-COCO's 5K and 1K protocols. The server's BERT is the Hugging Face
 folder ``checkpoints/bert-base-uncased`` (README "Running at paper scale"), so
 without it the run stops at validation in one line naming the folder (exit 2).
+Each text tower reads the captions of its own token space (``fedjax_mm.runner.text``):
+the server's BERT its WordPieces; the GRU clients, which cannot read English, the ids
+of ``data.text_tokenizer``, here the same BERT's tokenizer (their embeddings sized to
+its 30,522 ids), so one tokenisation of the captions serves every tower.
 The zoo has no ResNet-18 / -101: the clients get ``resnet_t`` and the server
 ``vit_b`` (its largest image encoder). The data is the paper's through TFDS
 (``config.data``, source "tfds"; ``fedjax_mm.data.tfds``, prepared once with ``tfds
@@ -78,16 +82,14 @@ the whole split (CIFAR-100 50,000 / 10, AG News 120,000 / 10, the 32,783 COCO pa
 left after the public set / 15), split by Dirichlet(0.1) over the class labels (the
 multimodal clients: each image's first object class). Images are resized to
 ``image_size`` (32). A dataset not prepared in ``data.data_dir`` stops the run at
-validation, after the checkpoints and the one-tokenizer rule below, in one line naming
+validation, after the checkpoints and ``data.text_tokenizer``, in one line naming
 its ``tfds build`` command (exit 2); ``--config.data.limit=N`` reads at most N
 examples of each split (a smaller test split scales the 1K / 5K protocols down
 alike). The VQA analogue (Table 2 asks VQA v2) and the private-distribution test are
 built on the world's scenes, so they are off.
-What it does not reproduce yet: Flickr30K (above); the server's BERT beside GRU
-clients (the runner wants one tokenizer for every text tower, and TFDS text needs an
-``hf:`` one, so with the folder present it stops at validation on that); Table 2 (VQA
-v2). Rounds, local epochs and learning rates are not stated in the paper: they keep
-the defaults above.
+What it does not reproduce yet: Flickr30K (above); GRUs with a word vocabulary of
+their own (they read BERT's WordPieces); Table 2 (VQA v2). Rounds, local epochs and
+learning rates are not stated in the paper: they keep the defaults above.
 """
 
 import ml_collections
@@ -197,13 +199,16 @@ def get_config(arg=None):
   # (read at most this many examples of any split, 0 = all; a smaller pool is shared in
   # proportion, the test protocols scaled down). Images are resized to image_size. TFDS has
   # no Flickr30K: the multimodal clients read coco_captions' train split too, disjoint from
-  # the public set. Text needs an hf: tokenizer shared by every text tower; the VQA analogue
-  # and the private test are the world's (vqa.enabled=False, test.private_size=0).
+  # the public set. Each text tower reads its own tokenisation of the captions: an hf: one its
+  # checkpoint's, a zoo one (gru, transformer_*) the ids of text_tokenizer (an hf: checkpoint;
+  # "" = the run's one hf: text encoder), its embedding sized to that vocabulary. The VQA
+  # analogue and the private test are the world's (vqa.enabled=False, test.private_size=0).
   config.data = ml_collections.ConfigDict(
     {
       "source": "world",  # world | tfds
       "data_dir": "",
       "limit": 0,
+      "text_tokenizer": "",
       "clients": {
         "image": "cifar100",
         "text": "ag_news_subset",
@@ -258,6 +263,8 @@ def get_config(arg=None):
     config.clients.multimodal.text_encoder = "gru"
     config.server.image_encoder = "vit_b"  # ResNet-101 in the paper
     config.server.text_encoder = f"hf:{PAPER_BERT}"
+    # The GRUs cannot read English: they read the server's BERT's WordPiece ids.
+    config.data.text_tokenizer = f"hf:{PAPER_BERT}"
     config.creamfl.num_selected = 10
     config.public.size = 50_000
     config.test.sizes = (1000, 5000)

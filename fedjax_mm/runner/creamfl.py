@@ -50,6 +50,19 @@ server's test set the first ``max(test.sizes)`` images of its test split (Karpat
 what each set got (``results.json`` ``"data"``, a report section). The VQA analogue
 and the private test are the world's and refuse ``"tfds"`` at validation.
 
+**Token spaces.** Each text tower reads the captions of its own token space
+(:mod:`fedjax_mm.runner.text`; :func:`token_space`, :func:`text_spaces`): an ``hf:``
+tower its checkpoint's tokens (``caption:<checkpoint>``), a zoo tower (``gru``,
+``transformer_t``, ...) the world's ids (``caption``) on the world, and on TFDS,
+whose English it cannot read, the ids of ``data.text_tokenizer`` (:func:`zoo_tokenizer`,
+under that checkpoint's key, shared with an ``hf:`` tower of the same checkpoint; its
+embedding sized to that tokenizer, :func:`text_sizes`). The public set holds the
+same captions once per space, each group's private data its own space's (and the
+server's, for the FedAvg / FedIoT rows' server-sized clients), the test sets the
+server's; the server and each group read their key (``ServerDef.text_key``,
+``ClientGroup.text_key``). So ``:paper``'s GRU clients run beside its BERT server.
+A run of one space computes exactly what it did before.
+
 **VQA, as CreamFL's Table 2** (``config.vqa``; :mod:`fedjax_mm.algorithms.vqa`,
 :mod:`fedjax_mm.data.vqa`). After the last round every method's server is frozen
 and, for each, a small fusion head learns to answer template questions ("what
@@ -121,13 +134,92 @@ def _cream_config(config) -> creamfl.CreamConfig:
   return creamfl.CreamConfig(**config.creamfl.to_dict())
 
 
-def text_tokenizer(config) -> str | None:
-  """The ``hf:`` checkpoint all captions go through (the server, multimodal and text
-  clients read the same public captions), or None for the world's ids."""
+def text_encoders(config) -> tuple[str, str, str]:
+  """The run's text encoders: the server's, the multimodal clients' and the text clients'.
+
+  (Table 1's FedAvg / FedIoT clients take the server's.)
+  """
   c = config.clients
-  return text_lib.shared_tokenizer(
-    (c.text.encoder, c.multimodal.text_encoder, config.server.text_encoder)
-  )
+  return (config.server.text_encoder, c.multimodal.text_encoder, c.text.encoder)
+
+
+def zoo_tokenizer(config) -> str | None:
+  """The ``hf:`` checkpoint whose ids the zoo's text encoders read, or None (the world's ids).
+
+  On the world a zoo encoder (``gru``, ``transformer_t``, ...) reads the world's
+  vocabulary. TFDS gives English text, which a zoo encoder cannot read: it reads the
+  ids of ``data.text_tokenizer`` (the paper's GRU clients beside a BERT server: BERT's
+  WordPieces), or, when that is empty, of the run's one ``hf:`` text encoder. None also
+  when no zoo encoder reads text.
+
+  Raises:
+    ConfigError: on TFDS, ``data.text_tokenizer`` is not an ``hf:`` checkpoint, names a
+      folder that is missing, or is empty while the run has no or several ``hf:`` text
+      encoders.
+  """
+  names = text_encoders(config)
+  zoo = sorted({n for n in names if not models.hf.is_hf(n)})
+  if data_source(config) != "tfds" or not zoo:
+    return None
+  name = config.data.get("text_tokenizer", "")
+  if not name:
+    hf_names = sorted({n for n in names if models.hf.is_hf(n)})
+    if len(hf_names) == 1:
+      return hf_names[0]
+    found = f"the run has {len(hf_names)} ({', '.join(hf_names)})" if hf_names else "it has none"
+    raise ConfigError(
+      f"data.text_tokenizer: the zoo text encoders ({', '.join(zoo)}) cannot read TFDS's "
+      f"English text and read one hf: tokenizer's ids, the run's one hf: text encoder's by "
+      f"default, but {found}: set data.text_tokenizer to an hf: checkpoint "
+      "(e.g. hf:all-MiniLM-L6-v2)."
+    )
+  if not models.hf.is_hf(name):
+    raise ConfigError(
+      f"data.text_tokenizer must be an hf: checkpoint (hf:<folder> or a packaged name such as "
+      f"hf:all-MiniLM-L6-v2) whose tokenizer the zoo text encoders read, got {name!r}."
+    )
+  try:
+    models.hf.resolve(name)
+  except models.hf.HfError as e:
+    raise ConfigError(f"data.text_tokenizer: {e}") from None
+  return name
+
+
+def token_space(config, encoder: str) -> str | None:
+  """The token space a text encoder reads in this run (:mod:`fedjax_mm.runner.text`).
+
+  An ``hf:`` encoder's is its checkpoint; a zoo encoder's the world's ids (None), or
+  on TFDS :func:`zoo_tokenizer`'s checkpoint: the paper's GRUs beside a BERT server
+  whose tokenizer they read share its space, so the captions are held once for both.
+  """
+  if models.hf.is_hf(encoder):
+    return encoder
+  return zoo_tokenizer(config)
+
+
+def text_key(config, encoder: str) -> str:
+  """The data key of the captions ``encoder`` reads (:func:`fedjax_mm.runner.text.caption_key`)."""
+  return text_lib.caption_key(token_space(config, encoder))
+
+
+def text_spaces(config) -> tuple[str | None, ...]:
+  """The distinct token spaces of a run: None (the world's ids) first, then checkpoints sorted.
+
+  The public set holds its captions in each (:func:`fedjax_mm.runner.text.in_spaces` on
+  the world, :func:`fedjax_mm.runner.text.joint_tokenizer` on TFDS).
+  """
+  spaces = {token_space(config, e) for e in text_encoders(config)}
+  return (None,) * (None in spaces) + tuple(sorted(s for s in spaces if s is not None))
+
+
+def text_sizes(config) -> dict[str, int]:
+  """``vocab_size`` and ``max_len`` of the zoo's text encoders: the world's vocabulary and
+  caption length, or on TFDS :func:`zoo_tokenizer`'s vocabulary (30,522 for BERT's) and
+  :data:`fedjax_mm.runner.text.HF_MAX_LEN`. (``hf:`` encoders take theirs from their folder.)"""
+  checkpoint = zoo_tokenizer(config)
+  if checkpoint is None:
+    return {"vocab_size": data.VOCAB_SIZE, "max_len": _world(config).max_caption_len}
+  return {"vocab_size": text_lib.vocab_size(checkpoint), "max_len": text_lib.HF_MAX_LEN}
 
 
 def validate(config) -> None:
@@ -185,7 +277,6 @@ def validate(config) -> None:
       validation.check_encoder(f"clients.{name}.encoder", spec.encoder, name)
   validation.check_encoder("server.image_encoder", config.server.image_encoder, "image")
   validation.check_encoder("server.text_encoder", config.server.text_encoder, "text")
-  text_tokenizer(config)
   c = config.creamfl
   if not 1 <= c.num_selected <= total:
     raise ConfigError(
@@ -290,11 +381,11 @@ def _tfds_reads(config) -> list[tuple[str, str]]:
       f"(it gives {', '.join(dataset.keys)})."
     )
   reads += [(block.public, split) for split in dataset.splits]
-  if text_tokenizer(config) is None:
+  if zoo_tokenizer(config) is not None and config.pretrained:
+    zoo = sorted({n for n in text_encoders(config) if not models.hf.is_hf(n)})
     raise ConfigError(
-      "data.source='tfds' reads English text, which needs the tokenizer of an hf: text "
-      "encoder: give clients.text.encoder, clients.multimodal.text_encoder and "
-      "server.text_encoder the same one."
+      f"pretrained: {config.pretrained}'s text encoders ({', '.join(zoo)}) read the world's "
+      f"vocabulary, not {zoo_tokenizer(config)}'s ids (data.source='tfds'): set pretrained=''."
     )
   return reads
 
@@ -322,6 +413,30 @@ def _group_task(config, name: str) -> tuple | None:
   return kind, input_key, key, dataset.classes[key], head
 
 
+def _group_text_encoder(config, name: str, *, server_size: bool = False) -> str | None:
+  """The text encoder of a group's clients (the server's for ``server_size``), None if none."""
+  if "text" not in GROUPS[name][0]:
+    return None
+  if server_size:
+    return config.server.text_encoder
+  spec = config.clients[name]
+  return spec.text_encoder if name == "multimodal" else spec.encoder
+
+
+def _group_spaces(config, name: str) -> tuple[str | None, ...]:
+  """The token spaces a group's private captions are held in: its text tower's, and the
+  server's when Table 1's FedAvg / FedIoT rows run (clients with the server's towers on
+  the same private data); ``()`` for the image clients."""
+  encoders = [_group_text_encoder(config, name)]
+  if any(m in PARAMETER_ROWS for m in config.methods):
+    encoders.append(_group_text_encoder(config, name, server_size=True))
+  spaces = []
+  for encoder in encoders:
+    if encoder is not None and token_space(config, encoder) not in spaces:
+      spaces.append(token_space(config, encoder))
+  return tuple(spaces)
+
+
 def _client_data(config, name: str, group_index: int, pool=None):
   """The group's private sets: a Dirichlet(alpha) split of one pool, per client.
 
@@ -330,12 +445,15 @@ def _client_data(config, name: str, group_index: int, pool=None):
   all of them split the standard way (``samples_per_client=None``: client sizes
   vary, ``train_size`` on average) by their class label, or for the multimodal
   clients by each image's first object class (COCO's id order; 0 when none).
+  Captions are held in the group's token spaces (:func:`_group_spaces`), each under
+  its key (:func:`fedjax_mm.runner.text.caption_key`).
   """
   spec = config.clients[name]
   modalities, _ = GROUPS[name]
   task = _group_task(config, name)
   label_key = task[2] if task else "label10"
-  keys = [k for m in modalities for k in (("image",) if m == "image" else ("caption",))]
+  spaces = _group_spaces(config, name)
+  keys = ["image"] * ("image" in modalities) + [text_lib.caption_key(s) for s in spaces]
   if task:
     keys.append(task[2])
   if pool is not None:
@@ -362,30 +480,28 @@ def _client_data(config, name: str, group_index: int, pool=None):
     seed=config.seed * 1000 + group_index,
     samples_per_client=spec.train_size,
   )
-  checkpoint = text_tokenizer(config)
-  if checkpoint is not None and "caption" in keys:
-    pool["caption"] = text_lib.retokenize(pool["caption"], checkpoint)
+  pool = text_lib.in_spaces(pool, spaces)
   clients = [{k: v for k, v in c.items() if k in keys} for c in data.split_clients(pool, parts)]
   stacked, mask = data.stack_clients(clients)
   return core.make_client_data(stacked, mask, user_ids=np.arange(spec.num))
 
 
 def _test_set(
-  seed: int, num: int, world: data.WorldConfig, shift: float, checkpoint: str | None = None
+  seed: int, num: int, world: data.WorldConfig, shift: float, space: str | None = None
 ) -> dict[str, jax.Array]:
-  """``num`` held-out images and all their captions (every caption is a query and a candidate)."""
-  test = data.generate(seed, num, config=world, shift=shift)
-  captions = test["caption"]  # [N, C, L]
-  if checkpoint is not None:
-    captions = text_lib.retokenize(captions, checkpoint)
-  return _retrieval_set(test["image"], captions)
+  """``num`` held-out images and all their captions (every caption is a query and a
+  candidate), in the server's token space ``space``."""
+  test = text_lib.in_spaces(data.generate(seed, num, config=world, shift=shift), (space,))
+  key = text_lib.caption_key(space)
+  return _retrieval_set(test["image"], test[key], key)  # captions [N, C, L]
 
 
-def _retrieval_set(images: np.ndarray, captions: np.ndarray) -> dict[str, jax.Array]:
-  """``image [N, S, S, 3]``, captions ``[N, C, L]`` -> the flat layout the recall reads."""
+def _retrieval_set(images: np.ndarray, captions: np.ndarray, key: str) -> dict[str, jax.Array]:
+  """``image [N, S, S, 3]``, captions ``[N, C, L]`` -> the flat layout the recall reads,
+  the captions under ``key`` (the server's text key)."""
   return {
     "image": jnp.asarray(images),
-    "caption": jnp.asarray(captions.reshape(-1, captions.shape[-1])),
+    key: jnp.asarray(captions.reshape(-1, captions.shape[-1])),
     "ids": jnp.asarray(np.repeat(np.arange(captions.shape[0]), captions.shape[1])),
   }
 
@@ -455,7 +571,7 @@ def vqa_data(config) -> VqaData:
   unique, rows = np.unique(phrases, axis=0, return_inverse=True)
   rows = rows.reshape(-1).astype(np.int32)
   arguments = np.pad(unique, ((0, 0), (0, world.max_caption_len - unique.shape[1])))
-  checkpoint = text_tokenizer(config)
+  checkpoint = token_space(config, config.server.text_encoder)  # the server's text tower reads them
   if checkpoint is not None:
     arguments = text_lib.retokenize(arguments, checkpoint)
   num_train = len(splits["train"]["answer"])
@@ -546,8 +662,7 @@ def _client_groups(config, root, *, server_size: bool = False, pools=None, train
   (:func:`_tfds_sets`), None on the world; ``train_data``: the groups' private
   data already built (then returned as given).
   """
-  world = _world(config)
-  text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
+  sizes = text_sizes(config)
   given = train_data
   clients, states, train_data, names = [], [], [], []
   for g, name in enumerate(GROUPS):
@@ -564,10 +679,12 @@ def _client_groups(config, root, *, server_size: bool = False, pools=None, train
         "num_outputs": outputs,
         "rep_dim": config.rep_dim,
       }
-      model_config |= text_sizes if name == "text" else {"image_size": config.image_size}
+      model_config |= sizes if name == "text" else {"image_size": config.image_size}
       if config.pretrained and not models.hf.is_hf(uni):
         model_config["pretrained"] = f"{config.pretrained}/{uni}"
       make = lambda rngs, c=model_config: models.build(c, rngs=rngs)
+      if name == "text":  # the captions of its own token space
+        input_key = text_key(config, uni)
       group_task = core.Task(kind, input_key, target_key, outputs)
       encoder = uni
     else:
@@ -580,7 +697,7 @@ def _client_groups(config, root, *, server_size: bool = False, pools=None, train
         image_size=config.image_size,
         rngs=rngs,
         pretrained=config.pretrained or None,
-        **text_sizes,
+        **sizes,
       )
       group_task = creamfl.RetrievalTask(temperature=config.creamfl.server_temperature)
       encoder = "+".join(pair)
@@ -595,7 +712,9 @@ def _client_groups(config, root, *, server_size: bool = False, pools=None, train
       batch_size=config.local_batch_size,
       client_map=validation.check_client_map(config),
     )
-    clients.append(creamfl.ClientGroup(group, modalities))
+    encoder_t = _group_text_encoder(config, name, server_size=server_size)
+    reads = {} if encoder_t is None else {"text_key": text_key(config, encoder_t)}
+    clients.append(creamfl.ClientGroup(group, modalities, **reads))
     states.append(state)
     if given is not None:
       train_data.append(given[g])
@@ -615,16 +734,20 @@ def _tfds_sets(config) -> dict[str, Any]:
   split, the public set ``public.size`` of ``data.public``'s train split after them
   (so none is a multimodal client's when both read ``coco_captions``), the test set
   ``max(test.sizes)`` images of its test split, all their captions (5 per image,
-  cycled). Images are resized to ``image_size``; text goes through the ``hf:`` text
-  towers' tokenizer. The public set is cut to a multiple of ``creamfl.batch_size``;
-  the test set to :func:`num_test_images`.
+  cycled). Images are resized to ``image_size``; text is read once through the
+  tokenizer of every token space (:func:`text_spaces`: each ``hf:`` text tower's, and
+  :func:`zoo_tokenizer`'s for the zoo's) and held under each space's key
+  (:func:`fedjax_mm.runner.text.joint_tokenizer`, :func:`~fedjax_mm.runner.text.split_joint`).
+  The public set is cut to a multiple of ``creamfl.batch_size``; the test set to
+  :func:`num_test_images`, its captions the server's.
 
   Returns:
-    ``{"image" | "text" | "multimodal": the group's pool, "public": {image, caption
-    [P, C, L]}, "test": {"public": the retrieval test set}}``.
+    ``{"image" | "text" | "multimodal": the group's pool, "public": {image, caption:<space>
+    [P, C, L] per space}, "test": {"public": the retrieval test set}}``.
   """
   block = config.data
-  tokenizer = tfds_data.hf_tokenizer(text_tokenizer(config), text_lib.HF_MAX_LEN)
+  spaces = text_spaces(config)  # checkpoints only: a zoo encoder reads zoo_tokenizer's
+  tokenizer = text_lib.joint_tokenizer(spaces)
   wants: dict[tuple[str, str], list[tuple[str, int]]] = {}
   for name in GROUPS:
     spec = config.clients[name]
@@ -642,6 +765,7 @@ def _tfds_sets(config) -> dict[str, Any]:
     image_size=config.image_size,
     tokenizer=lambda name, split: None if (name, split) == image_only else tokenizer,
   )
+  sets = {who: text_lib.split_joint(arrays, spaces) for who, arrays in sets.items()}
   c = config.creamfl
   num_public = len(sets["public"]["image"]) // c.batch_size * c.batch_size
   if num_public < max(c.batch_size, c.public_batch_size or 1):
@@ -654,22 +778,24 @@ def _tfds_sets(config) -> dict[str, Any]:
   sets["public"] = data.take(sets["public"], np.arange(num_public))
   test = sets.pop("test")
   num_test = num_test_images(config, len(test["image"]))
-  sets["test"] = {"public": _retrieval_set(test["image"][:num_test], test["caption"][:num_test])}
+  key = text_key(config, config.server.text_encoder)
+  sets["test"] = {"public": _retrieval_set(test["image"][:num_test], test[key][:num_test], key)}
   return sets
 
 
 def build(config):
   """Validated client groups, server, initial states, private data, public and test sets.
 
-  The test sets are ``{"public": ..., "private": ...}`` (the latter only with
-  ``test.private_size``), each ``image [N, S, S, 3]``, ``caption [N C, L]``
-  and ``ids [N C]``. With ``data.source = "tfds"`` the data are read by
-  :func:`_tfds_sets` (no private test).
+  The public set holds ``image [P, S, S, 3]`` and the captions ``[P, C, L]`` of every
+  token space of the run (:func:`text_spaces`), each under its key. The test sets
+  are ``{"public": ..., "private": ...}`` (the latter only with
+  ``test.private_size``), each ``image [N, S, S, 3]``, the server's captions
+  ``[N C, L]`` (under its text key) and ``ids [N C]``. With ``data.source = "tfds"``
+  the data are read by :func:`_tfds_sets` (no private test).
   """
   validate(config)
   world = _world(config)
   root = jax.random.key(config.seed)
-  text_sizes = {"vocab_size": data.VOCAB_SIZE, "max_len": world.max_caption_len}
   sets = _tfds_sets(config) if data_source(config) == "tfds" else None
   clients, states, train_data, names = _client_groups(config, root, pools=sets)
 
@@ -680,32 +806,35 @@ def build(config):
     image_size=config.image_size,
     rngs=nnx.Rngs(jax.random.fold_in(root, 100)),
     pretrained=config.pretrained or None,
-    **text_sizes,
+    **text_sizes(config),
   )
   graphdef, server_params = nnx.split(server_model)
   server = creamfl.ServerDef(
-    graphdef, optax.adamw(config.server_learning_rate, weight_decay=config.weight_decay)
+    graphdef,
+    optax.adamw(config.server_learning_rate, weight_decay=config.weight_decay),
+    text_key=text_key(config, config.server.text_encoder),
   )
 
+  spaces = text_spaces(config)
+  keys = ("image", *(text_lib.caption_key(s) for s in spaces))
   if sets is not None:
-    public = {k: jnp.asarray(sets["public"][k]) for k in ("image", "caption")}
+    public = {k: jnp.asarray(sets["public"][k]) for k in keys}
     return clients, states, train_data, server, server_params, public, sets["test"], names
   public = data.generate(
     config.seed * 1000 + 1, config.public.size, config=world, shift=config.public.shift
   )
-  checkpoint = text_tokenizer(config)
-  if checkpoint is not None:
-    public["caption"] = text_lib.retokenize(public["caption"], checkpoint)
-  public = {"image": jnp.asarray(public["image"]), "caption": jnp.asarray(public["caption"])}
+  public = text_lib.in_spaces(public, spaces)  # the same captions, once per token space
+  public = {k: jnp.asarray(public[k]) for k in keys}
   # The test set of CreamFL's Table 1: the public distribution, N = max(test.sizes) images.
+  server_space = token_space(config, config.server.text_encoder)
   test = {
     "public": _test_set(
-      config.seed * 1000 + 2, max(config.test.sizes), world, config.test.shift, checkpoint
+      config.seed * 1000 + 2, max(config.test.sizes), world, config.test.shift, server_space
     )
   }
   if config.test.private_size:
     test["private"] = _test_set(
-      config.seed * 1000 + 3, config.test.private_size, world, 0.0, checkpoint
+      config.seed * 1000 + 3, config.test.private_size, world, 0.0, server_space
     )
   return (
     clients,
@@ -864,7 +993,7 @@ def experiment(config) -> loop.Experiment:
     return images, texts
 
   def recall_of(params, test_set, folds):
-    images, texts = embed(params, test_set["image"], test_set["caption"])
+    images, texts = embed(params, test_set["image"], test_set[server.text_key])
     return [
       {k: float(r[k]) for k in RECALL_KEYS}
       for r in (metrics.image_text_recall(images, texts, test_set["ids"], folds=f) for f in folds)

@@ -10,12 +10,12 @@ zoo encoder), or an ``hf:`` checkpoint's name (:func:`token_space`). The same ca
 held once per token space, under :func:`caption_key`: ``caption`` for the world's ids,
 ``caption:<checkpoint>`` for a checkpoint's. A user's task reads the key of its space
 (:class:`fedjax_mm.core.Task` ``input_key``), so users of several tokenizers share one
-public set, each reading its own tokenisation of the same captions (FedMuscle:
-:func:`in_spaces` for the world's captions, :func:`joint_tokenizer` / :func:`split_joint`
-for English text read through TFDS).
-
-CreamFL's server and clients exchange caption representations computed by every tower
-on the same tensors, so it keeps one token space per run (:func:`shared_tokenizer`).
+public set, each reading its own tokenisation of the same captions: :func:`in_spaces`
+for the world's captions, :func:`joint_tokenizer` / :func:`split_joint` for English text
+read through TFDS. FedMuscle's users and CreamFL's server and client groups (their
+``text_key``) read so; CreamFL's zoo towers on TFDS read the ids of an ``hf:`` tokenizer
+(``data.text_tokenizer``, :func:`fedjax_mm.runner.creamfl.token_space`) and take its
+:func:`vocab_size`.
 """
 
 from __future__ import annotations
@@ -32,28 +32,6 @@ from fedjax_mm.runner.errors import ConfigError
 #: Caption length in a checkpoint's tokens: the world's captions are at most 16 words;
 #: word pieces and [CLS] / [SEP] need more.
 HF_MAX_LEN = 32
-
-
-def shared_tokenizer(text_encoders: Iterable[str]) -> str | None:
-  """The ``hf:`` checkpoint every caption goes through, or None (the world's ids).
-
-  For runners with one token space (CreamFL); FedMuscle holds one per space
-  (:func:`token_spaces`).
-
-  Raises:
-    ConfigError: the text encoders mix the world's vocabulary with a checkpoint's,
-      or name several checkpoints.
-  """
-  names = set(text_encoders)
-  hf_names = {n for n in names if models.hf.is_hf(n)}
-  if not hf_names:
-    return None
-  if len(names) > 1:
-    raise ConfigError(
-      "every text encoder reads the same captions, so they must share a tokenizer: either no "
-      f"hf: text encoder or the same one for all, got {sorted(names)}."
-    )
-  return hf_names.pop()
 
 
 def token_space(encoder: str) -> str | None:
@@ -133,6 +111,14 @@ def _tokenizer(checkpoint: str):
   return models.hf.tokenizer(checkpoint)
 
 
+def vocab_size(checkpoint: str) -> int:
+  """Token ids of the checkpoint's tokenizer (its added tokens included): 30,522 for BERT's.
+
+  The embedding size a zoo text encoder needs to read its ids.
+  """
+  return len(_tokenizer(checkpoint))
+
+
 def retokenize(captions: np.ndarray, checkpoint: str, max_len: int = HF_MAX_LEN) -> np.ndarray:
   """World caption ids ``int [..., L]`` -> the checkpoint tokenizer's ids ``int32 [..., max_len]``.
 
@@ -160,8 +146,8 @@ __all__ = [
   "in_spaces",
   "joint_tokenizer",
   "retokenize",
-  "shared_tokenizer",
   "split_joint",
   "token_space",
   "token_spaces",
+  "vocab_size",
 ]
