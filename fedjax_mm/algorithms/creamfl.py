@@ -453,8 +453,8 @@ class ServerDef:
     graphdef: the server's :class:`DualEncoder` graph.
     tx: its optimizer (steps 1 and 7).
     text_key: the public set's key of the captions its text tower reads: ``caption``
-      (the world's ids, or the zoo's tokenizer's on TFDS) or ``caption:<checkpoint>``
-      (an ``hf:`` tower's tokens; :func:`fedjax_mm.runner.text.caption_key`).
+      (the world's ids) or ``caption:<checkpoint>`` (a checkpoint tokenizer's ids;
+      :func:`fedjax_mm.runner.text.caption_key`).
   """
 
   graphdef: nnx.GraphDef
