@@ -169,6 +169,9 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, ste
       flags["public"] = public
     for _ in range(2):  # round 2 is past the router's warm-up (T_w = 1)
       state, metrics = step(alg.method(name), state, arrays, mask, mod, **flags)
+    # A round returns the state type it takes (dtypes, weak types, shapes), so a
+    # run's second round reuses the first round's compile (a weakly typed q did not).
+    assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, state0), name
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
     assert np.isclose(np.nansum(metrics["weight"]), 1.0)
     states[name] = state

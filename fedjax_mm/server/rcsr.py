@@ -305,8 +305,12 @@ class FairState(NamedTuple):
 
 
 def fair_init(n: int) -> FairState:
+  # float32 (not weakly typed) as fair_update returns it: a weak ``q`` would make the
+  # second round's state a new type and the jitted round compile again.
   return FairState(
-    q=jnp.full((n,), 1.0 / n), lbar=jnp.ones((GROUPS,)), seen=jnp.zeros((GROUPS,), bool)
+    q=jnp.full((n,), 1.0 / n, jnp.float32),
+    lbar=jnp.ones((GROUPS,)),
+    seen=jnp.zeros((GROUPS,), bool),
   )
 
 
