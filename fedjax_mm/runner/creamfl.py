@@ -208,8 +208,7 @@ def text_spaces(config) -> tuple[str | None, ...]:
   The public set holds its captions in each (:func:`fedjax_mm.runner.text.in_spaces` on
   the world, :func:`fedjax_mm.runner.text.joint_tokenizer` on TFDS).
   """
-  spaces = {token_space(config, e) for e in text_encoders(config)}
-  return (None,) * (None in spaces) + tuple(sorted(s for s in spaces if s is not None))
+  return text_lib.token_spaces(text_encoders(config), lambda e: token_space(config, e))
 
 
 def text_sizes(config) -> dict[str, int]:

@@ -21,7 +21,7 @@ read through TFDS. FedMuscle's users and CreamFL's server and client groups (the
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -39,9 +39,14 @@ def token_space(encoder: str) -> str | None:
   return encoder if models.hf.is_hf(encoder) else None
 
 
-def token_spaces(text_encoders: Iterable[str]) -> tuple[str | None, ...]:
-  """The distinct token spaces of some text encoders: None (the world's) first, then sorted."""
-  spaces = {token_space(e) for e in text_encoders}
+def token_spaces(
+  text_encoders: Iterable[str], space_of: Callable[[str], str | None] = token_space
+) -> tuple[str | None, ...]:
+  """The distinct token spaces of some text encoders: None (the world's) first, then sorted.
+
+  ``space_of`` maps an encoder to its space (a runner's own rule, e.g. CreamFL's zoo
+  towers on TFDS)."""
+  spaces = {space_of(e) for e in text_encoders}
   return (None,) * (None in spaces) + tuple(sorted(s for s in spaces if s is not None))
 
 
