@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import conftest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -23,7 +25,7 @@ def start(
   ``module`` is what ``python -m`` runs (a test's wrapper around experiments.main).
   """
   env, extra = dict(os.environ), env
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # conftest.FAST_COMPILE
+  env["XLA_FLAGS"] = conftest.FAST_COMPILE
   env["PYTHONPATH"] = str(ROOT)
   env.update(extra or {})
   cmd = [
