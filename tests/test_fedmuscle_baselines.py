@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from experiments import fedmuscle as fedmuscle_config
-from fedjax_mm import losses, server
-from fedjax_mm.algorithms import fedhenn
+from fedjax_mm import core, losses, server
+from fedjax_mm.algorithms import fedhenn, fedrcl
 from fedjax_mm.algorithms.fedmuscle import public_batches
 from fedjax_mm.core import ledger
 from fedjax_mm.runner import fedmuscle as runner
@@ -123,6 +123,35 @@ def test_set_positives_is_a_jaccard_threshold():
   union = sets.sum(1)[:, None] + sets.sum(1)[None] - inter
   jac = np.where(union > 0, inter / np.maximum(union, 1), 1.0)
   np.testing.assert_array_equal(losses.set_positives(jnp.asarray(sets)), jac >= 0.5)
+
+
+def test_fedrcl_mask_positives_leave_out_only_a_real_background():
+  # Three masks over classes {0, 1, 2} plus void (255): their label sets with class 0
+  # are {0, 1}, {0, 2}, {0}; without it {1}, {2}, {}.
+  masks = np.zeros((3, 2, 2), np.int32)
+  masks[0, 0, 0], masks[1, 0, 0], masks[2, 1, 1] = 1, 2, 255
+  sets = np.array([[1, 1, 0], [1, 0, 1], [1, 0, 0]])
+
+  def jaccard_pairs(sets):
+    inter = sets @ sets.T
+    union = sets.sum(1)[:, None] + sets.sum(1)[None] - inter
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0) >= 0.5
+
+  world = core.Task("segmentation", "image", "mask", 3, background=0)
+  coco = core.Task("segmentation", "image", "mask", 3)  # 0 is an object (person)
+  got_world = fedrcl.positives(world, jnp.asarray(masks))
+  got_coco = fedrcl.positives(coco, jnp.asarray(masks))
+  np.testing.assert_array_equal(got_world, jaccard_pairs(sets[:, 1:]))
+  np.testing.assert_array_equal(got_coco, jaccard_pairs(sets))
+  assert got_coco[0, 2] and not got_world[0, 2]  # {0, 1} vs {0}: 1/2 with person, 0 without
+  # The runner gives the world's masks a background and COCO panoptic's none.
+  config = fedmuscle_config.get_config("smoke")
+  ss = runner.User(0, "cnn_s", "ss")
+  assert runner._task(ss, config).background == 0
+  config.data.source, config.data.tasks.ss = "tfds", "coco_panoptic"
+  assert runner._task(ss, config).background is None
+  with pytest.raises(ValueError, match="background"):
+    core.Task("classification", "image", "label10", 10, background=0)
 
 
 def test_average_within_classes_matches_numpy():

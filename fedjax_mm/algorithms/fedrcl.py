@@ -29,7 +29,9 @@ Adaptation to FedMuscle's users, every choice:
 * **Positives**: the same class for classification users (images or
   captions); for multi-label users, label sets with Jaccard index
   ``>= min_jaccard`` (0.5); for segmentation users, the same rule on the set
-  of foreground classes present in each mask. Negatives are all other samples
+  of object classes present in each mask: every class but the task's
+  ``background`` (the world's 0; COCO panoptic has none, its 0 is person).
+  Negatives are all other samples
   of the batch.
 * Hyperparameters as the authors' configuration: ``tau = 0.05``,
   ``lambda = 0.7``, ``beta = 1``, weight ``w = 1``.
@@ -85,8 +87,12 @@ def positives(task: Task, targets: Array, *, min_jaccard: float = 0.5) -> Array:
     return losses.label_positives(targets)
   if task.kind == "multilabel":
     return losses.set_positives(targets, min_jaccard=min_jaccard)
+  # A mask's label set: the classes among its pixels (void pixels, outside [0, C), in
+  # none), without the task's background class where it has one.
   present = jax.nn.one_hot(targets, task.num_outputs, dtype=jnp.bool_).any(axis=(1, 2))
-  return losses.set_positives(present[:, 1:], min_jaccard=min_jaccard)  # 0 is background
+  if task.background is not None:
+    present = jnp.delete(present, task.background, axis=1, assume_unique_indices=True)
+  return losses.set_positives(present, min_jaccard=min_jaccard)
 
 
 def rcl_objective(config: FedRCLConfig, group: GroupDef, shared):

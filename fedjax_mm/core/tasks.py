@@ -70,18 +70,29 @@ class Task:
     target_key: data key of the target, e.g. ``"label10"``, ``"multilabel"``,
       ``"mask"``, ``"caption_label"``.
     num_outputs: number of classes (labels for multi-label).
+    background: segmentation only: the class that marks the absence of an object
+      (the world's ``0``), or None where every class is an object (COCO panoptic,
+      whose ``0`` is person). Label-set methods (FedRCL's positives) leave it out.
   """
 
   kind: str
   input_key: str
   target_key: str
   num_outputs: int
+  background: int | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"unknown task kind {self.kind!r}; expected one of {KINDS}.")
     if self.num_outputs < 1:
       raise ValueError(f"num_outputs must be positive, got {self.num_outputs}.")
+    if self.background is not None and (
+      self.kind != "segmentation" or not 0 <= self.background < self.num_outputs
+    ):
+      raise ValueError(
+        f"background {self.background} needs a segmentation task with it among its "
+        f"{self.num_outputs} classes (task kind {self.kind!r})."
+      )
 
   @property
   def modality(self) -> str:

@@ -128,6 +128,8 @@ class Reader:
     keys: the keys :func:`load` returns (with a tokenizer, for captions).
     classes: label key -> its number of classes (a task's outputs).
     splits: ``(train, test)``: the labelled splits a runner trains and tests on.
+    background: a mask's class for "no object", None where every class is one
+      (COCO panoptic: 0 is person; its unlabelled pixels are :data:`VOID`).
   """
 
   builder: str
@@ -135,6 +137,7 @@ class Reader:
   keys: tuple[str, ...]
   classes: dict[str, int]
   splits: tuple[str, str] = ("train", "test")
+  background: int | None = None
 
 
 def resize_image(image: np.ndarray, size: int) -> np.ndarray:

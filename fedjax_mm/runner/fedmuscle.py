@@ -665,7 +665,11 @@ def _task(u: User, config=None) -> core.Task:
   kind, input_key, target_key, _, _ = TASKS[u.task]
   if input_key == "caption":
     input_key = text_lib.caption_key(text_lib.token_space(u.encoder))
-  return core.Task(kind, input_key, target_key, _outputs(config, u.task))
+  background = None
+  if kind == "segmentation":  # the world's mask class 0 is background; a TFDS reader says
+    tfds = config is not None and data_source(config) == "tfds"
+    background = tfds_data.READERS[config.data.tasks[u.task]].background if tfds else 0
+  return core.Task(kind, input_key, target_key, _outputs(config, u.task), background)
 
 
 def _outputs(config, task: str) -> int:
