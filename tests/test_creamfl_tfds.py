@@ -265,3 +265,7 @@ def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache):
   report = (tmp_path / "run" / "report.md").read_text()
   assert "Data (TFDS, data.limit=20, images 16 px)" in report
   assert "20 test images x 5 captions of coco_captions" in report
+  # The seeds' summary names the same test set (a TFDS run has no world shift).
+  summary = runner.summarize([tmp_path / "run"])
+  assert "20 test images of coco_captions (test split)" in summary
+  assert "shift" not in summary

@@ -1422,8 +1422,14 @@ def summarize(workdirs) -> str:
     parts.append("VQA (Table 2 analogue), accuracy %:\n" + table)
   seeds = ", ".join(str(r["seed"]) for r in runs)
   protocol = runs[0]["protocol"]
+  note = runs[0].get("data")  # a TFDS run: its test set is a dataset's split, not a shift
+  where = (
+    f"at shift {protocol['shift']}"
+    if note is None
+    else f"of {note['datasets']['test']} ({note['splits']['test']} split)"
+  )
   return "\n\n".join(parts) + (
     f"\n\nmean ± std (sample, ddof=1) over {len(runs)} runs (seeds {seeds}), Recall@K in %; "
-    f"{protocol['test_images']} test images at shift {protocol['shift']}; "
+    f"{protocol['test_images']} test images {where}; "
     f"R@1_sum = {protocol['r1_sum']}."
   )
