@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import loop_toy
 import pytest
 
@@ -120,3 +121,29 @@ def test_a_nan_stops_the_run_and_names_the_checkpoint_a_rerun_resumes_from(tmp_p
   rounds = [json.loads(line)["round"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
   assert max(rounds) == 2  # Round 3 was neither logged nor saved.
   assert not (tmp_path / "run" / "checkpoints" / "3").exists()
+
+
+def test_restored_state_keeps_each_leafs_placement_so_the_round_compiles_once():
+  """A fresh state's leaves are uncommitted; restored ones must be too (and committed ones
+  stay on their sharding): jit keys its cache on argument shardings, so a committed copy
+  made every resumed run compile its rounds again (seen in FedRGB's resume test)."""
+  state = loop_toy.experiment(loop_toy.get_config()).init()
+  restored = loop._unpack(loop._pack(state["one"]), state["one"])
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state["one"]), strict=True):
+    assert got.committed == want.committed is False
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x, s))
+  step(state["one"])
+  step(restored)
+  assert step._cache_size() == 1
+  # A committed template (a sharded state) gives leaves on its shardings.
+  device = jax.devices()[-1]
+  placed = jax.device_put(state["two"], device)
+  back = loop._unpack(loop._pack(placed), placed)
+  for got in jax.tree.leaves(back):
+    assert got.committed and got.sharding == jax.sharding.SingleDeviceSharding(device)
+  assert all(
+    bool((jax.random.key_data(a) == jax.random.key_data(b)).all())
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+    else bool((a == b).all())
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(placed), strict=True)
+  )

@@ -341,7 +341,10 @@ def _unpack(packed: Mapping[str, Any], template: Any) -> Any:
 
   Bit-exact: slices of the stored vectors, reshaped, placed where the
   template's leaves live, typed keys rewrapped with the template's key
-  implementation.
+  implementation. A template leaf that is not committed to a device (what
+  ``init`` gives on one device) gives an uncommitted leaf too: a committed one
+  would change the argument shardings jit sees, so the resumed run's round would
+  miss the compilation cache and compile again.
   """
   leaves, treedef = jax.tree.flatten(template)
   offsets = dict.fromkeys(packed, 0)
@@ -351,7 +354,8 @@ def _unpack(packed: Mapping[str, Any], template: Any) -> Any:
     dtype, size = str(data.dtype), int(np.prod(data.shape))
     value = jnp.asarray(packed[dtype][offsets[dtype] : offsets[dtype] + size]).reshape(data.shape)
     offsets[dtype] += size
-    value = jax.device_put(value, data.sharding)
+    if data.committed:  # an uncommitted leaf (a fresh state's) stays so, as jit saw it
+      value = jax.device_put(value, data.sharding)
     if data is not leaf:
       value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
     out.append(value)
