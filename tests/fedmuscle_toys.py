@@ -11,6 +11,7 @@ import functools
 
 import jax
 import numpy as np
+import rounding
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm.runner import fedmuscle as runner
@@ -54,12 +55,13 @@ def leaves(tree):
 
 
 def assert_same(a, b):
-  for x, y in zip(leaves(a), leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)
+  """Equal up to float32 rounding (two programs: see ``rounding.py``)."""
+  rounding.assert_close(leaves(a), leaves(b))
 
 
 def changed(a, b):
-  return any(not np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b), strict=True))
+  """Different by more than float32 rounding."""
+  return not rounding.close(leaves(a), leaves(b))
 
 
 def shifted(states, g):
