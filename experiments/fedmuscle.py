@@ -251,7 +251,7 @@ def get_config(arg=None):
         "min_crop": 0.8,
         "noise": 0.05,
       },
-      "cofed": {"margin": 0.3, "threshold": 0.3, "label_batch_size": 64},
+      "cofed": {"margin": 0.3, "threshold": 0.3, "label_batch_size": 64, "class_balanced": True},
       "feddf": {"distill_epochs": 1, "temperature": 1.0},
       "fedhenn": {"eta": 1.0, "rad_size": 32},
       "fedrcl": {"tau": 0.05, "threshold": 0.7, "beta": 1.0, "weight": 1.0, "min_jaccard": 0.5},

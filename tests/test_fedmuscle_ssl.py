@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import rounding
 
-from fedjax_mm import losses
+from fedjax_mm import core, losses
 from fedjax_mm.algorithms import cofed
 from fedjax_mm.core import ledger
 from fedjax_mm.runner import fedmuscle as runner
@@ -258,9 +258,11 @@ def test_sage_without_counted_pseudo_labels_is_local_training_for_a_user_alone()
 
 
 def test_cofed_without_pseudo_labels_is_local_training_and_with_them_is_not():
+  # Unweighted (class_balanced off): the class weights alone would already move a user
+  # whose own labels are imbalanced (test_cofed_class_balanced_loss_...).
   local, _ = _round("local")
   # The initial heads are near-uniform: no prediction clears the margin, nothing is kept.
-  new, stats = _round("cofed")
+  new, stats = _round("cofed", class_balanced=False)
   np.testing.assert_array_equal(stats["kept"], 0.0)
   for a, b in zip(new.groups, local.groups, strict=True):
     _assert_same(a.params, b.params)
@@ -268,11 +270,53 @@ def test_cofed_without_pseudo_labels_is_local_training_and_with_them_is_not():
   # the IC100 user, alone on its fine classes, gets a label for every sample; the others'
   # votes conflict (IC10 users disagree, IC users' "present" meets MLC's "absent") and
   # their samples are dropped (removeOverlap), so they train as local training does.
-  new, stats = _round("cofed", margin=0.0, threshold=0.0)
+  new, stats = _round("cofed", margin=0.0, threshold=0.0, class_balanced=False)
   kept = np.asarray(stats["kept"])
   np.testing.assert_array_equal(kept, [0, 0, 1, 0, 0])
   for g, (a, b) in enumerate(zip(new.groups, local.groups, strict=True)):
     assert (not rounding.close(a.params, b.params)) == (kept[g] > 0), g
+
+
+def test_cofed_class_weights_are_the_authors_inverse_counts():
+  # classWeights = 1 ./ countcats(yTrain), divided by their maximum: min_c n_c / n_y over
+  # the client's combined set; masked samples count nowhere and weigh 0.
+  labels = np.array([0, 0, 0, 2, 2, 5, 0, 5])
+  mask = np.array([1, 1, 1, 1, 1, 1, 0, 0], bool)
+  counts = np.bincount(labels[mask], minlength=7).astype(float)
+  inverse = np.where(counts > 0, 1 / np.maximum(counts, 1), 0.0)
+  want = (inverse / inverse.max())[labels] * mask
+  task = core.Task("classification", "image", "label10", 7)
+  got = cofed.class_weights(task, jnp.asarray(labels), jnp.asarray(mask))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(got[:6], [1 / 3, 1 / 3, 1 / 3, 0.5, 0.5, 1.0], rtol=1e-6)
+  # Multi-label: each label a two-class head (absent, present), balanced on its own.
+  multi = np.array([[1, 0, 1], [1, 0, 0], [0, 0, 1], [1, 1, 1]], np.float32)
+  mask = np.array([1, 1, 1, 0], bool)
+  task = core.Task("multilabel", "image", "multilabel", 3)
+  got = np.asarray(cofed.class_weights(task, jnp.asarray(multi), jnp.asarray(mask)))
+  for c in range(3):
+    t = multi[mask, c]
+    n = np.array([np.sum(t == 0), np.sum(t == 1)], float)
+    inv = np.where(n > 0, 1 / np.maximum(n, 1), 0.0)
+    np.testing.assert_allclose(got[mask, c], (inv / inv.max())[t.astype(int)], rtol=1e-6)
+  np.testing.assert_array_equal(got[~mask], 0.0)
+  # The weighted loss is the mean over the batch of each example's weighted loss.
+  logits = jax.random.normal(jax.random.key(0), (8, 7))
+  task = core.Task("classification", "image", "label10", 7)
+  w = cofed.class_weights(task, jnp.asarray(labels), jnp.ones(8, bool))
+  per = -jax.nn.log_softmax(logits)[np.arange(8), labels]
+  np.testing.assert_allclose(
+    task.loss(logits, jnp.asarray(labels), jnp.ones(8, bool), w), np.mean(per * w), rtol=1e-6
+  )
+
+
+def test_cofed_class_balanced_loss_acts():
+  """The class weights change what a user trains: on the IC100 user, which keeps every
+  public sample with no margin and no threshold (its pseudo-labels are imbalanced)."""
+  off, stats = _round("cofed", margin=0.0, threshold=0.0, class_balanced=False)
+  on, stats_on = _round("cofed", margin=0.0, threshold=0.0)
+  np.testing.assert_array_equal(stats["kept"], stats_on["kept"])  # the same votes
+  assert not rounding.close(on.groups[2].params, off.groups[2].params)
 
 
 def _padded(state, data):

@@ -46,6 +46,9 @@ METRIC_NAMES = {"classification": "accuracy", "multilabel": "micro_f1", "segment
 
 #: The data key of captions as the world's token ids.
 CAPTION_KEY = "caption"
+#: An optional data key: per-example loss weights (``[n]``; multi-label ``[n, C]``), read
+#: by :func:`fedjax_mm.core.client.supervised_objective` (CoFED's class-balanced loss).
+SAMPLE_WEIGHT_KEY = "sample_weight"
 
 
 def is_caption_key(key: str) -> bool:
@@ -112,12 +115,20 @@ class Task:
       return jnp.take_along_axis(x, choice[:, None, None], axis=1)[:, 0]
     return x
 
-  def per_example_loss(self, outputs: Array, targets: Array) -> Array:
-    """Loss of each example ``[b]``; segmentation: the mean over its labelled pixels (0 if none)."""
+  def per_example_loss(self, outputs: Array, targets: Array, weights: Array | None = None) -> Array:
+    """Loss of each example ``[b]``; segmentation: the mean over its labelled pixels (0 if none).
+
+    ``weights`` (optional) scales each example's loss (``[b]``), or for multi-label
+    each label's term before the mean over labels (``[b, C]``); none for segmentation.
+    """
+    if weights is not None and self.kind == "segmentation":
+      raise ValueError("sample weights are not defined for segmentation.")
     if self.kind == "classification":
-      return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+      loss = optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+      return loss if weights is None else loss * weights
     if self.kind == "multilabel":
-      return optax.sigmoid_binary_cross_entropy(outputs, targets.astype(outputs.dtype)).mean(-1)
+      terms = optax.sigmoid_binary_cross_entropy(outputs, targets.astype(outputs.dtype))
+      return (terms if weights is None else terms * weights).mean(-1)
     # Pixels labelled outside [0, C) (void) are ignored: optax would give NaN there.
     labelled = (targets >= 0) & (targets < self.num_outputs)
     safe = jnp.where(labelled, targets, 0)
@@ -126,9 +137,12 @@ class Task:
     count = labelled.reshape(labelled.shape[0], -1).sum(-1)
     return per_pixel.sum(-1) / jnp.maximum(count, 1).astype(per_pixel.dtype)
 
-  def loss(self, outputs: Array, targets: Array, mask: Array) -> Array:
-    """Mean loss over the valid examples of a batch (``mask [b]``)."""
-    return masked_mean(self.per_example_loss(outputs, targets), mask)
+  def loss(
+    self, outputs: Array, targets: Array, mask: Array, weights: Array | None = None
+  ) -> Array:
+    """Mean loss over the valid examples of a batch (``mask [b]``); ``weights`` as
+    :meth:`per_example_loss` (the mean still divides by the number of examples)."""
+    return masked_mean(self.per_example_loss(outputs, targets, weights), mask)
 
   def metric(self, outputs: Array, targets: Array, mask: Array) -> Array:
     """The task's reported metric over the valid examples (a fraction)."""
