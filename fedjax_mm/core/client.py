@@ -281,9 +281,10 @@ def supervised_objective(group: GroupDef, shared: PyTree) -> Objective:
     outputs = model(inputs)
     if dtype is not None:
       outputs = cast_floating(outputs, jnp.float32)
-    targets, weights = batch[group.task.target_key], batch.get(SAMPLE_WEIGHT_KEY)
-    loss = group.task.loss(outputs, targets, batch_mask, weights)
-    return loss, {}
+    targets = batch[group.task.target_key]
+    if SAMPLE_WEIGHT_KEY in batch:
+      return group.task.loss(outputs, targets, batch_mask, batch[SAMPLE_WEIGHT_KEY]), {}
+    return group.task.loss(outputs, targets, batch_mask), {}
 
   return objective
 
