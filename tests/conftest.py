@@ -10,7 +10,7 @@ runs about a quarter faster (a subset on 2 cores: 186 s -> 133 s).
 ``--xla_cpu_use_fusion_emitters=false`` has XLA:CPU emit its fusions with the older
 elemental emitters instead of the MLIR fusion emitters: the same HLO after fusion, and
 about half the compile time of a large round (RCSR's ``round_step``: 13.6 s -> 6.9 s
-on this CPU); the whole suite on 2 cores, 37 -> 25 minutes. Its fusions round
+on this CPU); the whole suite on 2 cores, 37 -> 24 minutes. Its fusions round
 differently, so two programs that compute the same float32 arithmetic are compared
 at ``rounding.py``'s tolerance, not bit for bit. The experiments' subprocesses
 (``experiment_main``) get the same flags, without the fake devices.
@@ -29,10 +29,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: E402
 
-#: The slowest test files, slowest first (about 100-400 s each on 2 cores). The README's
+#: The slowest test files, slowest first (about 100-300 s each on 2 cores). The README's
 #: ``-n 2 --dist loadfile`` hands whole files to its two processes in collection order,
 #: so a slow file collected last (alphabetically, test_rcsr_*) can run alone at the end
-#: while the other process idled; handed out first, the short files fill in behind.
+#: while the other process idles; handed out first, the short files fill in behind.
 SLOW_FIRST = (
   "test_rcsr_alg.py",
   "test_fedrgb_run.py",

@@ -144,7 +144,7 @@ def test_inactive_clients_take_no_step(setup):
   assert any(moved)  # ... while the selected client 0 trained.
 
 
-def test_gamma_zero_is_exactly_training_without_the_regulariser(setup):
+def test_gamma_zero_is_training_without_the_regulariser(setup):
   """gamma = 0 (CreamFL's row), no regulariser (reamFL rows) and the private task alone agree."""
   client, state, client_data, public, global_reps = setup
   active = jnp.array([True, True])
