@@ -34,6 +34,10 @@ from fedjax_mm.runner.errors import ConfigError
     ("downstream.fractions", (0.0, 0.1), "downstream.fractions must be in (0, 1]"),
     ("downstream.test", 0, "downstream.test must be >= 1"),
     ("downstream.learning_rate", -1.0, "downstream.learning_rate must be a finite number > 0"),
+    ("segmentation.target", "blob", "segmentation.target must be 'objects' or a shape"),
+    ("segmentation.steps", -1, "segmentation.steps must be >= 0"),
+    ("segmentation.width", 6, "segmentation.width must be a positive multiple of 4"),
+    ("segmentation.learning_rate", 0.0, "segmentation.learning_rate must be a finite number > 0"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -98,13 +102,16 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
     for task in runner.DOWNSTREAM:
       assert set(final["downstream"][task]) == {"1%", "10%"}
       assert all(0 <= v <= 100 for v in final["downstream"][task].values())
+    assert set(final["segmentation"]) == {"1%", "10%"}
+    assert all(0 <= v <= 100 for v in final["segmentation"].values())
   # FedAvg's own client update is L_task: "own" and "task" are one retraining.
   assert (
     reference["methods"]["fedavg"]["distortion"]["own"]
     == (reference["methods"]["fedavg"]["distortion"]["task"])
   )
   assert set(reference["downstream_majority"]) == set(runner.DOWNSTREAM)
-  assert "| majority class" in out and "| no retraining" in out
+  assert "| majority class" in out and "| no retraining" in out and "| all positive" in out
+  assert set(reference["segmentation_initial"]) == {"1%", "10%"}
   traffic = reference["traffic_bytes"]
   assert traffic["local"]["stage1"] == 0 and traffic["fedavg"]["stage2"] == 0
   assert traffic["fedrgb"]["stage2"] > 0
@@ -133,9 +140,30 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   fedavg = reference["methods"]["fedavg"]["mean"]["gallery_t2i_R@1"]
   assert f"| {fedrgb:.1f} ± 0.0" in table
   assert f"| {fedrgb - fedavg:.1f} ± 0.0" in table.split("fedrgb - fedavg (paired)")[1]
+  dice = table.split("Segmentation Dice (%)")[1]
+  fedrgb_dice = reference["methods"]["fedrgb"]["segmentation"]["10%"]
+  fedavg_dice = reference["methods"]["fedavg"]["segmentation"]["10%"]
+  assert f"| {fedrgb_dice:.1f} ± 0.0" in dice.split("| fedrgb ")[1].split("\n")[0]
+  paired = dice.split("fedrgb - fedavg (paired)")[1].split("\n")[0]
+  assert f"| {fedrgb_dice - fedavg_dice:.1f} ± 0.0" in paired
+  assert "| all positive" in dice and "| initial model" in dice
+  assert "| majority class" in table.split("Downstream accuracy (%)")[1]
   other = tmp_path / "other"
   shutil.copytree(workdir, other, ignore=shutil.ignore_patterns("checkpoints", "tb"))
   cfg = json.loads((other / "config.json").read_text())
   (other / "config.json").write_text(json.dumps(cfg | {"rounds": 3}))
   with pytest.raises(ValueError, match="more than the seed"):
     runner.summarize([workdir, other])
+
+
+def test_segmentation_target_is_every_object_or_one_shape():
+  mask = np.array([[[0, 1, 2], [3, 0, 1]]])  # 0 background, 1 + shape
+  np.testing.assert_array_equal(
+    runner.segmentation_target(mask, "objects"), [[[False, True, True], [True, False, True]]]
+  )
+  np.testing.assert_array_equal(
+    runner.segmentation_target(mask, "circle"), [[[False, True, False], [False, False, True]]]
+  )
+  np.testing.assert_array_equal(
+    runner.segmentation_target(mask, "square"), [[[False, False, True], [False, False, False]]]
+  )

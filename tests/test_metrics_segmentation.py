@@ -167,3 +167,29 @@ def test_vmap_over_clients_equals_each_client_separately():
     else:  # scikit-learn refuses empty input
       expected = np.zeros((num_classes, num_classes), int)
     np.testing.assert_array_equal(cms[k], expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dice_equals_sklearn_f1_on_the_valid_pixels(seed):
+  rng = np.random.default_rng(seed)
+  labels = rng.random((6, 5, 5)) < 0.3
+  predictions = rng.random((6, 5, 5)) < 0.4
+  where = rng.random(6) < 0.7
+  where[0] = True
+  keep = np.broadcast_to(where[:, None, None], labels.shape)
+  want = skm.f1_score(labels[keep], predictions[keep])
+  got = metrics.dice(predictions, labels, where=where)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # A pixel mask works as a sample mask broadcast.
+  np.testing.assert_allclose(metrics.dice(predictions, labels, where=keep), want, rtol=1e-6)
+
+
+def test_dice_limits():
+  labels = jnp.zeros((2, 3, 3), bool).at[0, 0, 0].set(True)
+  assert float(metrics.dice(labels, labels)) == 1.0
+  assert float(metrics.dice(~labels, labels)) == 0.0
+  assert float(metrics.dice(jnp.zeros_like(labels), jnp.zeros_like(labels))) == 1.0
+  # All-positive: 2 p / (1 + p) with p the foreground share (1 of 18 pixels).
+  np.testing.assert_allclose(metrics.dice(jnp.ones_like(labels), labels), 2 / 19, rtol=1e-6)
+  with pytest.raises(ValueError, match="must match"):
+    metrics.dice(labels[:1], labels)

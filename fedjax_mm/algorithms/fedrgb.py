@@ -433,6 +433,21 @@ class FedRGB:
     tokens = nnx.merge(self.encoder_def, encoder).image_tokens(images)
     return nnx.merge(self.aligner_def, aligner).image(tokens)
 
+  def image_map(self, encoder: PyTree, aligner: PyTree, images: Array) -> Array:
+    """``[b, S, S, 3]`` -> ``[b, S/4, S/4, c]``: the image align module's output per position.
+
+    The spatial tokens of :meth:`Aligner.encode` (the pooled token dropped) on the
+    encoder's map, back on their grid: the last spatial stage of the image tower, which
+    the segmentation decoder reads (:mod:`fedjax_mm.algorithms.fedrgb_eval`).
+    """
+    tokens = nnx.merge(self.encoder_def, encoder).image_tokens(images)
+    seq = nnx.merge(self.aligner_def, aligner).image.encode(tokens)[:, 1:]
+    b, n, c = seq.shape
+    side = int(round(n**0.5))
+    if side * side != n:
+      raise ValueError(f"the image tokens ({n}) do not form a square grid.")
+    return seq.reshape(b, side, side, c)
+
   # -- one client ------------------------------------------------------------
 
   def _train(self, loss_fn, params, key, arrays, mask, steps, *, draws=1, keyed=False):

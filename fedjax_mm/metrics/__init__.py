@@ -10,6 +10,7 @@ accuracy                            image / text classification (FedMuscle)
 micro_f1                            multi-label classification (FedMuscle)
 confusion_matrix, mean_iou,         semantic segmentation (FedMuscle)
 mean_iou_from_confusion_matrix
+dice                                binary segmentation (FedRGB)
 image_text_recall                   i2t / t2i Recall@K (CreamFL, FedMuscle)
 map_at_n, ndcg_at_n                 supervised cross-modal retrieval (FedSCMR)
 delta                               multi-task summary over users (FedMuscle)
@@ -21,6 +22,7 @@ from fedjax_mm.metrics.multitask import delta
 from fedjax_mm.metrics.retrieval import image_text_recall, map_at_n, ndcg_at_n
 from fedjax_mm.metrics.segmentation import (
   confusion_matrix,
+  dice,
   mean_iou,
   mean_iou_from_confusion_matrix,
 )
@@ -29,6 +31,7 @@ __all__ = [
   "accuracy",
   "confusion_matrix",
   "delta",
+  "dice",
   "image_text_recall",
   "map_at_n",
   "mean_iou",

@@ -1,4 +1,4 @@
-"""Semantic-segmentation metrics: the pixel confusion matrix and mean IoU.
+"""Semantic-segmentation metrics: the pixel confusion matrix, mean IoU and binary Dice.
 
 mIoU is a dataset-level metric: the counts are accumulated over every valid
 pixel of the whole evaluation set before any ratio is taken (Pascal VOC
@@ -10,9 +10,13 @@ for one call, sum :func:`confusion_matrix` over batches and finish with
 Only ``jax`` is imported; everything is safe under ``jit`` and ``vmap`` (a
 padded client set carries a boolean ``where`` mask over its samples).
 
+Binary Dice (:func:`dice`) is dataset-level in the same way: one ratio of the
+foreground counts summed over every valid pixel of the set.
+
 References:
   FedMuscle paper, Section 6 ("Performance Metrics"): mIoU for the semantic
     segmentation task.
+  FedRGB paper, Sec. 5 / App. C.2: the Dice score of RSNA segmentation.
   [Everingham et al., 2010] The Pascal Visual Object Classes (VOC) Challenge.
     IJCV 88(2).
 """
@@ -182,3 +186,42 @@ def mean_iou(
     predictions, labels, num_classes=num_classes, where=where, ignore_index=ignore_index
   )
   return mean_iou_from_confusion_matrix(cm)
+
+
+def dice(predictions: Array, labels: Array, *, where: Array | None = None) -> Array:
+  r"""Dataset-level binary Dice score of foreground masks.
+
+  .. math:: \mathrm{Dice} = \frac{2\,|P \cap G|}{|P| + |G|}
+
+  with ``P`` the predicted and ``G`` the true foreground pixels, counted over every
+  valid pixel of the whole set (not a mean of per-image scores, so images without
+  foreground count through their false positives). This equals
+  ``sklearn.metrics.f1_score(y_true, y_pred)`` on the flattened valid pixels; an empty
+  ``P`` and ``G`` give 1 (nothing to find, nothing predicted), as the all-background
+  limit of the ratio with equal smoothing.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from fedjax_mm import metrics
+    >>> labels = jnp.array([[0, 1, 1, 0]])
+    >>> predictions = jnp.array([[1, 1, 0, 0]])
+    >>> print(f"{metrics.dice(predictions, labels):.4f}")  # 2 * 1 / (2 + 2)
+    0.5000
+
+  Args:
+    predictions: ``[n, H, W]`` booleans or ``{0, 1}`` predicted foreground.
+    labels: ``[n, H, W]`` booleans or ``{0, 1}`` true foreground.
+    where: optional ``[n]`` boolean mask of valid samples, or an ``[n, H, W]`` pixel mask.
+
+  Returns:
+    Scalar float in ``[0, 1]``.
+  """
+  predictions, labels = jnp.asarray(predictions), jnp.asarray(labels)
+  if predictions.shape != labels.shape:
+    raise ValueError(f"predictions {predictions.shape} and labels {labels.shape} must match.")
+  valid = _pixel_mask(where, labels)
+  p = (predictions != 0) & valid
+  g = (labels != 0) & valid
+  both = jnp.sum(p & g, dtype=jnp.float32)
+  total = jnp.sum(p, dtype=jnp.float32) + jnp.sum(g, dtype=jnp.float32)
+  return jnp.where(total > 0, 2.0 * both / jnp.maximum(total, 1.0), 1.0)

@@ -55,9 +55,15 @@ none), :mod:`fedjax_mm.algorithms.fedrgb_eval` adds
 * downstream fine-tuning (``config.downstream``, the paper's RSNA / COVIDx): the image
   tower + a linear layer fine-tuned on 1% and 10% of ``train`` fresh labelled scenes,
   accuracy on ``test`` more, for :data:`DOWNSTREAM`'s tasks, beside the majority class of
-  the test set and the initial model (World-CLIP encoders, untrained aligners).
+  the test set and the initial model (World-CLIP encoders, untrained aligners);
+* downstream segmentation (``config.segmentation``, the paper's RSNA Dice): on the same
+  labelled scenes and fractions, a U-Net-style decoder trained on the frozen image tower
+  (:func:`fedjax_mm.algorithms.fedrgb_eval.segmentation_dice`) to segment
+  ``segmentation.target`` (``"objects"``: every object's pixels, the analogue of RSNA's
+  opacity masks; or one shape's name), Dice on the test scenes' pixels, beside the
+  all-positive Dice and the initial model.
 
-Not built yet (issue 19): the sweeps, segmentation fine-tuning.
+Not built yet (issue 19): the sweeps.
 """
 
 from __future__ import annotations
@@ -207,10 +213,35 @@ def validate(config) -> None:
   lr = float(ds.learning_rate)
   if not (np.isfinite(lr) and lr > 0):
     raise ConfigError(f"downstream.learning_rate must be a finite number > 0, got {lr}.")
+  sg = config.segmentation
+  if not isinstance(sg.enabled, bool):
+    raise ConfigError("segmentation.enabled must be a bool.")
+  if sg.target != "objects" and sg.target not in world.SHAPE_NAMES:
+    raise ConfigError(
+      f"segmentation.target must be 'objects' or a shape of {list(world.SHAPE_NAMES)}, "
+      f"got {sg.target!r}."
+    )
+  if int(sg.steps) < 0 or int(sg.batch_size) < 1:
+    raise ConfigError(
+      f"segmentation.steps must be >= 0 and batch_size >= 1, got {sg.steps}, {sg.batch_size}."
+    )
+  lr = float(sg.learning_rate)
+  if not (np.isfinite(lr) and lr > 0):
+    raise ConfigError(f"segmentation.learning_rate must be a finite number > 0, got {lr}.")
+  if int(sg.width) < 4 or int(sg.width) % 4:
+    raise ConfigError(f"segmentation.width must be a positive multiple of 4, got {sg.width}.")
   if int(config.test_per_client) < int(config.gallery):
     raise ConfigError(
       f"test_per_client ({config.test_per_client}) must be >= gallery ({config.gallery})."
     )
+
+
+def segmentation_target(mask: np.ndarray, target: str) -> np.ndarray:
+  """``bool [n, S, S]`` foreground of the world's ``mask``: every object, or one shape."""
+  mask = np.asarray(mask)
+  if target == "objects":
+    return mask > 0
+  return mask == 1 + world.SHAPE_NAMES.index(target)
 
 
 def categories(multilabel: np.ndarray) -> np.ndarray:
@@ -248,6 +279,9 @@ def build(config) -> dict[str, Any]:
     "labels": {name: label(down)[:n_down] for name, (_, label) in DOWNSTREAM.items()},
     "test_labels": {name: label(down)[n_down:] for name, (_, label) in DOWNSTREAM.items()},
   }
+  target = segmentation_target(down["mask"], config.segmentation.target)
+  downstream["seg_targets"] = jnp.asarray(target[:n_down])
+  downstream["seg_test_targets"] = jnp.asarray(target[n_down:])
   f = config.fedrgb
   settings = dict(
     alpha=f.alpha,
@@ -390,6 +424,19 @@ def downstream_table(final, methods, initial, majority, fractions) -> str:
   return format_table(header, rows)
 
 
+def segmentation_table(final, methods, initial, all_positive, fractions) -> str:
+  """Dice (%) per method and labelled fraction, beside the initial model and all-positive."""
+  labels = [fraction_label(f) for f in fractions]
+  rows = [
+    [m] + [f"{final[m]['segmentation'][f]:.1f}" for f in labels]
+    for m in methods
+    if "segmentation" in final[m]
+  ]
+  rows.append(["initial model"] + [f"{initial[f]:.1f}" for f in labels])
+  rows.append(["all positive"] + [f"{all_positive:.1f}" for _ in labels])
+  return format_table(["Method"] + [f"Dice {f}" for f in labels], rows)
+
+
 def experiment(config) -> loop.Experiment:
   setup = build(config)
   algorithms, states0 = setup["algorithms"], setup["states"]
@@ -502,6 +549,32 @@ def experiment(config) -> loop.Experiment:
       for i, t in enumerate(tasks)
     }
 
+  # Segmentation on the same labelled scenes and fractions: a decoder on the frozen tower.
+  seg_cfg = config.segmentation
+  seg_key = jax.random.key(config.seed + 29)  # the same decoder start and draws for every row
+
+  @jax.jit
+  def segment_jit(encoder, aligner):
+    return fedrgb_eval.segmentation_dice(
+      embedder,
+      encoder,
+      aligner,
+      seg_key,
+      down["images"],
+      down["seg_targets"],
+      down["masks"],
+      down["test_images"],
+      down["seg_test_targets"],
+      steps=int(seg_cfg.steps),
+      batch_size=int(seg_cfg.batch_size),
+      learning_rate=float(seg_cfg.learning_rate),
+      width=int(seg_cfg.width),
+    )
+
+  def segmentation(encoder, aligner) -> dict[str, float]:
+    dice = np.asarray(segment_jit(encoder, aligner))  # [fractions]
+    return {fraction_label(f): 100.0 * float(v) for f, v in zip(fractions, dice, strict=True)}
+
   def evaluate(loop_state) -> dict[str, Any]:
     s, m = loop_state["rgb"], methods[int(loop_state["row"])]
     local = jax.tree.leaves(s.aligner)[0].ndim > unstacked_ndim
@@ -521,6 +594,8 @@ def experiment(config) -> loop.Experiment:
         out["distortion"] = distortion(m, s)
       if down_cfg.enabled:
         out["downstream"] = downstream(s.encoder, s.aligner)
+      if seg_cfg.enabled:
+        out["segmentation"] = segmentation(s.encoder, s.aligner)
     return out
 
   def scalars(r, outs, evals):
@@ -592,6 +667,19 @@ def experiment(config) -> loop.Experiment:
       )
       sections.append((heading, down_table))
       extra += f"\n\n{heading}:\n{down_table}"
+    seg_trivial = fedrgb_eval.all_positive_dice(np.asarray(down["seg_test_targets"])) * 100
+    seg_initial = None
+    if seg_cfg.enabled and any("segmentation" in outcome.final[m] for m in methods):
+      base = setup["base_state"]
+      seg_initial = segmentation(base.encoder, base.aligner)
+      seg_table = segmentation_table(outcome.final, methods, seg_initial, seg_trivial, fractions)
+      heading = (
+        f"Segmentation Dice (%) of '{seg_cfg.target}', a decoder trained for {seg_cfg.steps} "
+        f"steps on the frozen image tower with a fraction of {down_cfg.train} labelled "
+        f"images, tested on {down_cfg.test}"
+      )
+      sections.append((heading, seg_table))
+      extra += f"\n\n{heading}:\n{seg_table}"
     text = (
       f"FedRGB on the world: {k} clients, Dirichlet {config.dirichlet_alpha} over the 32 "
       f"categories, {config.rounds} rounds, {config.image_encoder} + {config.text_encoder}"
@@ -608,6 +696,8 @@ def experiment(config) -> loop.Experiment:
       "distortion_steps": dist_steps,
       "downstream_majority": majority,
       "downstream_initial": initial,
+      "segmentation_all_positive": seg_trivial,
+      "segmentation_initial": seg_initial,
     }
     return loop.Report(
       title="FedRGB",
@@ -636,8 +726,29 @@ def experiment(config) -> loop.Experiment:
   )
 
 
+def _seed_table(runs, methods, labels, value, initial, trivial) -> str:
+  """Per-column ``value(final)`` as mean ± std over runs; FedRGB minus each row, paired by
+  run; then the initial model's ``initial(run)`` and the ``trivial`` row ``(name, per run)``."""
+  cell = report_lib.seed_cell
+  rows = [[m] + [cell([v(r["methods"][m]) for r in runs]) for v in value] for m in methods]
+  if "fedrgb" in methods:
+    rows += [
+      [f"fedrgb - {o} (paired)"]
+      + [cell([v(r["methods"]["fedrgb"]) - v(r["methods"][o]) for r in runs]) for v in value]
+      for o in methods
+      if o != "fedrgb"
+    ]
+  rows.append(["initial model"] + [cell([b(r) for r in runs]) for b in initial])
+  name, per_run = trivial
+  rows.append([name] + [cell([t(r) for r in runs]) for t in per_run])
+  return format_table(["Method", *labels], rows)
+
+
 def summarize(workdirs) -> str:
-  """The report's table as mean ± sample std over runs (seeds); FedRGB minus each other row, paired.
+  """The report's tables as mean ± sample std over runs (seeds); FedRGB minus each row, paired.
+
+  Retrieval for every row; downstream accuracy and segmentation Dice for the rows every run
+  has them for (the global models), beside the initial model and the trivial score.
 
   ``python -m experiments.summarize --format=fedrgb runs/fedrgb_s*``: the runs must share
   every config key but the seed (same methods, clients and test sizes).
@@ -659,7 +770,34 @@ def summarize(workdirs) -> str:
   rows.append(chance_row(runs[0]["chance"]))
   seeds = ", ".join(str(c["seed"]) for c in configs)
   table = format_table(column_labels(int(configs[0]["gallery"])), rows)
-  return f"FedRGB, mean ± std over seeds {seeds} (R@K, %):\n{table}"
+  text = f"FedRGB, mean ± std over seeds {seeds} (R@K, %):\n{table}"
+  # Downstream accuracy and segmentation Dice, where every run has them.
+  down = [m for m in methods if all("downstream" in r["methods"][m] for r in runs)]
+  if down:
+    first = runs[0]["methods"][down[0]]["downstream"]
+    cols = [(t, f) for t in first for f in first[t]]
+    table = _seed_table(
+      runs,
+      down,
+      [f"{t} {f}" for t, f in cols],
+      [lambda o, t=t, f=f: o["downstream"][t][f] for t, f in cols],
+      [lambda r, t=t, f=f: r["downstream_initial"][t][f] for t, f in cols],
+      ("majority class", [lambda r, t=t: r["downstream_majority"][t] for t, _ in cols]),
+    )
+    text += f"\n\nDownstream accuracy (%), mean ± std over seeds {seeds}:\n{table}"
+  seg = [m for m in methods if all("segmentation" in r["methods"][m] for r in runs)]
+  if seg:
+    fracs = list(runs[0]["methods"][seg[0]]["segmentation"])
+    table = _seed_table(
+      runs,
+      seg,
+      [f"Dice {f}" for f in fracs],
+      [lambda o, f=f: o["segmentation"][f] for f in fracs],
+      [lambda r, f=f: r["segmentation_initial"][f] for f in fracs],
+      ("all positive", [lambda r: r["segmentation_all_positive"] for _ in fracs]),
+    )
+    text += f"\n\nSegmentation Dice (%), mean ± std over seeds {seeds}:\n{table}"
+  return text
 
 
 def run(
@@ -669,4 +807,13 @@ def run(
   return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
 
 
-__all__ = ["build", "categories", "experiment", "retrieval", "run", "summarize", "validate"]
+__all__ = [
+  "build",
+  "categories",
+  "experiment",
+  "retrieval",
+  "run",
+  "segmentation_target",
+  "summarize",
+  "validate",
+]
