@@ -647,39 +647,39 @@ def experiment(config) -> loop.Experiment:
     )
     sections = [("Retrieval (R@K, %)", table), ("Traffic", traffic_table)]
     extra = ""
+
+    def add(heading: str, table: str, body: str | None = None) -> None:
+      nonlocal extra
+      sections.append((heading, body or table))  # report.md: the body; the console: the table
+      extra += f"\n\n{heading}:\n{table}"
+
     dist_table, matrices = distortion_tables(outcome.final, methods, k)
     if dist_table:
       heading = (
         f"Distortion: drop in mean paired cosine after {dist_steps} retraining steps on one "
         "client (Tables 6 / 11)"
       )
-      sections.append((heading, dist_table + "\n\n" + "\n\n".join(matrices)))
-      extra += f"\n\n{heading}:\n{dist_table}"
+      add(heading, dist_table, dist_table + "\n\n" + "\n\n".join(matrices))
     majority = {t: fedrgb_eval.majority_accuracy(v) for t, v in down["test_labels"].items()}
+    base = setup["base_state"]
     initial = None
     if down_cfg.enabled and any("downstream" in outcome.final[m] for m in methods):
-      base = setup["base_state"]
       initial = downstream(base.encoder, base.aligner)
-      down_table = downstream_table(outcome.final, methods, initial, majority, fractions)
       heading = (
         f"Downstream accuracy (%), fine-tuned for {down_cfg.steps} steps on a fraction of "
         f"{down_cfg.train} labelled images, tested on {down_cfg.test}"
       )
-      sections.append((heading, down_table))
-      extra += f"\n\n{heading}:\n{down_table}"
+      add(heading, downstream_table(outcome.final, methods, initial, majority, fractions))
     seg_trivial = fedrgb_eval.all_positive_dice(np.asarray(down["seg_test_targets"])) * 100
     seg_initial = None
     if seg_cfg.enabled and any("segmentation" in outcome.final[m] for m in methods):
-      base = setup["base_state"]
       seg_initial = segmentation(base.encoder, base.aligner)
-      seg_table = segmentation_table(outcome.final, methods, seg_initial, seg_trivial, fractions)
       heading = (
         f"Segmentation Dice (%) of '{seg_cfg.target}', a decoder trained for {seg_cfg.steps} "
         f"steps on the frozen image tower with a fraction of {down_cfg.train} labelled "
         f"images, tested on {down_cfg.test}"
       )
-      sections.append((heading, seg_table))
-      extra += f"\n\n{heading}:\n{seg_table}"
+      add(heading, segmentation_table(outcome.final, methods, seg_initial, seg_trivial, fractions))
     text = (
       f"FedRGB on the world: {k} clients, Dirichlet {config.dirichlet_alpha} over the 32 "
       f"categories, {config.rounds} rounds, {config.image_encoder} + {config.text_encoder}"
