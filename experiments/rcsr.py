@@ -17,7 +17,9 @@ Table 5's and Sec. C.4's ablations (zero and learnable-placeholder fills) beside
 RCSR and RCSR-p; ``:baselines`` runs FedAvg, FedProx, MFCPL, FedPer, pFedMMA, MOON,
 FedMEKT, CreamFL, RCSR and RCSR-p (FedPer's global row: the mean over clients of their
 own models; CreamFL: GCA of the clients' public-set representations, kept as an EMA of
-decay 0.9, beside FedAvg of the adapters + heads); ``:smoke`` is tiny (tests). One row
+decay 0.9, beside FedAvg of the adapters + heads); ``:sweeps`` is Figure 5's lineup
+(FedAvg, CreamFL, RCSR) for the one-factor sweeps run by overrides (README);
+``:smoke`` is tiny (tests). One row
 beside FedAvg, one seed::
 
   python -m experiments.main --config=experiments/rcsr.py:baselines \
@@ -132,6 +134,13 @@ def get_config(arg=None):
       "rcsr",
       "rcsr_p",
     )
+  elif arg == "sweeps":
+    # Figure 5's robustness sweeps, one factor at a time from this default through
+    # command-line overrides (README: missing_rate, alpha, participation, and num_clients
+    # with train_per_client scaled so the total training data stays ~768 pairs, as the
+    # paper's "fewer samples per client"). FedAvg, CreamFL (the strongest baseline there)
+    # and RCSR.
+    config.methods = ("fedavg", "creamfl", "rcsr")
   elif arg:
-    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations, baselines.")
+    raise ValueError(f"unknown variant {arg!r}; known: smoke, ablations, baselines, sweeps.")
   return config

@@ -106,3 +106,15 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   assert f"| {rcsr:.1f} ± 0.0" in table
   assert re.search(r"\| rcsr - fedavg \(paired\) +\| ", table)
   assert f"| {rcsr - fedavg:.1f} ± 0.0" in table
+
+
+@pytest.mark.parametrize("variant", [None, "ablations", "baselines", "sweeps", "smoke"])
+def test_every_variant_validates(variant):
+  config = rcsr_config.get_config(variant)
+  runner.validate(config)
+  assert len(set(config.methods)) == len(config.methods)
+
+
+def test_unknown_variant_names_the_known_ones():
+  with pytest.raises(ValueError, match="known: smoke, ablations, baselines, sweeps"):
+    rcsr_config.get_config("sweep")
