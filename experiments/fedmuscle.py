@@ -188,7 +188,15 @@ def get_config(arg=None):
     _user("cnn_m", "ic100", 100),
     _user("cnn_m", "ic10", 50),
   ]
-  config.public = ml_collections.ConfigDict({"size": 640, "shift": 1.0, "modalities": ("image",)})
+  # public.max_objects / min_visible: most objects in a public scene and the share of
+  # each that must stay visible (world only; the users' scenes hold at most 3, 40%
+  # visible). The default (3, 0.4, shift 1.0: 2.4 objects a scene, VOC's 2.4) is Table
+  # 1's VOC-like block, richer than any user's scenes (1.6); max_objects=5 with
+  # min_visible=0.3 (4.0 objects, 3.4 distinct shapes) the COCO-like block (COCO has
+  # more objects an image than VOC); shift=0.0 the CIFAR-100-like one (the users' world).
+  config.public = ml_collections.ConfigDict(
+    {"size": 640, "shift": 1.0, "max_objects": 3, "min_visible": 0.4, "modalities": ("image",)}
+  )
   # Where the users' sets and the public set come from: "world" draws them from the
   # embedded world (seeded; public.shift applies); "tfds" reads the papers' datasets
   # (fedjax_mm/data/tfds.py, prepared once with `tfds build`): each task's users take

@@ -6,9 +6,11 @@ import time
 
 import experiment_main
 import ml_collections
+import numpy as np
 import pytest
 
 from experiments import fedmuscle as fedmuscle_config
+from fedjax_mm import data
 from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner.writers import read_metrics
 
@@ -71,6 +73,39 @@ def test_each_task_has_its_own_test_size():
   bad.test_sizes = ml_collections.ConfigDict({"mlc": 2.5})  # a hand-written config
   with pytest.raises(runner.ConfigError, match=r"^test_sizes\.mlc must be an int >= 1"):
     runner.test_sizes(bad)
+
+
+def test_public_max_objects_gives_richer_public_scenes_only():
+  """The COCO-like block: more objects per public scene; the users' sets are unchanged."""
+  config = fedmuscle_config.get_config("smoke")
+  users = runner.validate(config)
+  train3, test3, public3 = runner._user_data(config, users)
+  # The default (3) is the world's own default: the public set as before this key existed.
+  before = data.generate(config.seed * 1000 + 1, config.public.size, shift=config.public.shift)
+  np.testing.assert_array_equal(np.asarray(public3["image"]), before["image"])
+  config.public.max_objects = 9  # 9 objects, 40% of each visible, do not fit 32 x 32
+  runner.validate(config)
+  with pytest.raises(runner.ConfigError, match="^public.max_objects / public.min_visible: Could"):
+    runner._user_data(config, users)
+  config.public.max_objects, config.public.min_visible = 5, 0.3  # the COCO-like block
+  runner.validate(config)
+  train6, test6, public6 = runner._user_data(config, users)
+  for a, b in ((train3, train6), (test3, test6)):
+    for i in a:
+      np.testing.assert_array_equal(np.asarray(a[i]["image"]), np.asarray(b[i]["image"]))
+  assert public6["image"].shape == public3["image"].shape
+  assert not np.array_equal(np.asarray(public6["image"]), np.asarray(public3["image"]))
+  # What the key means: more objects in a scene (shift 1 favours the most objects).
+  world = lambda m, v: data.WorldConfig(max_objects=m, min_visible_fraction=v)
+  scenes = lambda m, v: data.generate(1, 400, config=world(m, v), shift=1.0)["num_objects"]
+  assert scenes(5, 0.3).mean() > scenes(3, 0.4).mean() + 1.5
+  config.public.max_objects = 10
+  with pytest.raises(runner.ConfigError, match=r"public\.max_objects must be"):
+    runner.validate(config)
+  config.public.max_objects = 5
+  config.data.source = "tfds"
+  with pytest.raises(runner.ConfigError, match="public.max_objects and public.min_visible apply"):
+    runner.validate(config)
 
 
 def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):

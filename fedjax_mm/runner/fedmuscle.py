@@ -194,6 +194,13 @@ def validate(config) -> tuple[User, ...]:
       f"public.size ({config.public.size}) is smaller than FedHeNN's alignment set "
       f"(baselines.fedhenn.rad_size={rad_size})."
     )
+  world = data.WorldConfig()
+  default = {"max_objects": world.max_objects, "min_visible_fraction": world.min_visible_fraction}
+  if data_source(config) != "world" and _public_scenes(config) != default:
+    raise ConfigError(
+      "public.max_objects and public.min_visible apply to the world's public set only "
+      f"(data.source='world'); data.source is {data_source(config)!r}."
+    )
   if config.rounds < 1:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
   if not isinstance(config.lora_rank, int) or config.lora_rank < 0:
@@ -324,6 +331,19 @@ def _user_data(config, users: Sequence[User]):
   return dict(sorted(train)), dict(sorted(test)), public
 
 
+def _public_scenes(config) -> dict[str, Any]:
+  """The public scenes' :class:`~fedjax_mm.data.WorldConfig` fields that the config sets.
+
+  ``public.max_objects`` and ``public.min_visible`` (the world's defaults, 3 and 0.4,
+  where a config lacks them: the users' scenes).
+  """
+  world = data.WorldConfig()
+  return {
+    "max_objects": int(config.public.get("max_objects", world.max_objects)),
+    "min_visible_fraction": float(config.public.get("min_visible", world.min_visible_fraction)),
+  }
+
+
 def _world_sets(config, users: Sequence[User]):
   """``(train, test, public)`` drawn from the world: one pool per task, cut in disjoint slices."""
   seed = config.seed
@@ -342,7 +362,13 @@ def _world_sets(config, users: Sequence[User]):
     for u in members:
       test.append((u.index, data.take(pool, np.arange(start, start + test_size))))
       start += test_size
-  public = data.generate(seed * 1000 + 1, config.public.size, shift=config.public.shift)
+  scenes = data.WorldConfig(**_public_scenes(config))
+  try:
+    public = data.generate(
+      seed * 1000 + 1, config.public.size, config=scenes, shift=config.public.shift
+    )
+  except RuntimeError as e:  # the objects do not fit: a config error, said in one line
+    raise ConfigError(f"public.max_objects / public.min_visible: {e}") from None
   # Each text user's captions in its own token space; the public set's in every one read.
   space = {u.index: (text_lib.token_space(u.encoder),) for u in users if _reads_text(u)}
   train = [(i, text_lib.in_spaces(d, space.get(i, ()))) for i, d in train]

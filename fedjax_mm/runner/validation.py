@@ -152,6 +152,8 @@ FEDMUSCLE: dict[str, Range] = {
   "users[].lora_rank": NON_NEGATIVE_INT,
   "public.size": COUNT,
   "public.shift": FRACTION,
+  "public.max_objects": Range(1, 9, integer=True),
+  "public.min_visible": Range(0, 1, low_open=True),
   "muscle.num_partners": COUNT,
   "muscle.batch_size": COUNT,
   "muscle.cl_epochs": COUNT,
