@@ -89,12 +89,12 @@ def test_public_max_objects_gives_richer_public_scenes_only():
     runner._user_data(config, users)
   config.public.max_objects, config.public.min_visible = 5, 0.3  # the COCO-like block
   runner.validate(config)
-  train6, test6, public6 = runner._user_data(config, users)
-  for a, b in ((train3, train6), (test3, test6)):
+  train5, test5, public5 = runner._user_data(config, users)
+  for a, b in ((train3, train5), (test3, test5)):
     for i in a:
       np.testing.assert_array_equal(np.asarray(a[i]["image"]), np.asarray(b[i]["image"]))
-  assert public6["image"].shape == public3["image"].shape
-  assert not np.array_equal(np.asarray(public6["image"]), np.asarray(public3["image"]))
+  assert public5["image"].shape == public3["image"].shape
+  assert not np.array_equal(np.asarray(public5["image"]), np.asarray(public3["image"]))
   # What the key means: more objects in a scene (shift 1 favours the most objects).
   world = lambda m, v: data.WorldConfig(max_objects=m, min_visible_fraction=v)
   scenes = lambda m, v: data.generate(1, 400, config=world(m, v), shift=1.0)["num_objects"]

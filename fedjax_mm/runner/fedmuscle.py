@@ -194,9 +194,10 @@ def validate(config) -> tuple[User, ...]:
       f"public.size ({config.public.size}) is smaller than FedHeNN's alignment set "
       f"(baselines.fedhenn.rad_size={rad_size})."
     )
-  world = data.WorldConfig()
-  default = {"max_objects": world.max_objects, "min_visible_fraction": world.min_visible_fraction}
-  if data_source(config) != "world" and _public_scenes(config) != default:
+  if (
+    data_source(config) != "world"
+    and data.WorldConfig(**_public_scenes(config)) != data.WorldConfig()
+  ):
     raise ConfigError(
       "public.max_objects and public.min_visible apply to the world's public set only "
       f"(data.source='world'); data.source is {data_source(config)!r}."
