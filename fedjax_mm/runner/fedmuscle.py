@@ -220,6 +220,9 @@ def validate(config) -> tuple[User, ...]:
         models.pretrained.resolve(checkpoint)
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
+  # Last, so a missing checkpoint is named first; still before anything is built.
+  tfds = data_source(config) == "tfds"
+  validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
   for u in unaligned_users(config, users):
     logging.warning(
       "%s (%s/%s): its segmentation head reads the frozen %s's feature map, which has no "
@@ -230,9 +233,6 @@ def validate(config) -> tuple[User, ...]:
       u.task,
       u.encoder,
     )
-  # Last, so a missing checkpoint is named first; still before anything is built.
-  tfds = data_source(config) == "tfds"
-  validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
   return users
 
 
