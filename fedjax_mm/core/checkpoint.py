@@ -269,6 +269,21 @@ def _drop_orphaned_orbax_reads(record: logging.LogRecord) -> bool:
   return True
 
 
+def _close_manager(manager: ocp.CheckpointManager) -> None:
+  """Closes ``manager`` once the clean-up it started on opening has finished.
+
+  A manager opened with ``cleanup_tmp_directories`` scans the root for unfinished
+  folders in a background thread, and its ``close()`` does not wait for that
+  thread (orbax-checkpoint 0.12.8). A process that exits first, e.g. after
+  a few refused restores each reopened a manager, has the thread fail at interpreter
+  shutdown ("cannot schedule new futures after shutdown") with a traceback.
+  """
+  cleanup = getattr(manager, "_cleanup_tmp_directory_future", None)
+  if cleanup is not None:
+    cleanup.result()
+  manager.close()
+
+
 def _process_local(sharding: jax.sharding.Sharding | None) -> bool:
   """Whether a leaf on ``sharding`` (None: not placed yet) lives on this process only, in a job
   of several processes: a value every process holds alike, which Orbax cannot write as it is."""
@@ -368,7 +383,7 @@ class Checkpointer:
     steps at or below its latest) and try to garbage collect a missing folder.
     """
     try:
-      self._manager.close()
+      _close_manager(self._manager)
     except Exception as e:  # A manager that failed a read may fail to close too.
       _log.info("closing the checkpoint manager after a failure: %s", _reason(e))
     self._manager = self._open()
@@ -627,7 +642,7 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's resources."""
-    self._manager.close()
+    _close_manager(self._manager)
 
   def __enter__(self) -> Checkpointer:
     return self
