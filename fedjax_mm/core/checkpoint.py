@@ -279,9 +279,11 @@ def _close_manager(manager: ocp.CheckpointManager) -> None:
   shutdown ("cannot schedule new futures after shutdown") with a traceback.
   """
   cleanup = getattr(manager, "_cleanup_tmp_directory_future", None)
-  if cleanup is not None:
-    cleanup.result()
-  manager.close()
+  try:
+    if cleanup is not None:
+      cleanup.result()
+  finally:
+    manager.close()
 
 
 def _process_local(sharding: jax.sharding.Sharding | None) -> bool:
