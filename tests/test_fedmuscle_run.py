@@ -41,6 +41,35 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, messa
   assert not (tmp_path / "run").exists()  # Nothing was written.
 
 
+def _flat(config):
+  def walk(node, prefix=""):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        yield from walk(value, f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}", value
+
+  return dict(walk(config.to_dict()))
+
+
+@pytest.mark.parametrize(
+  "variant,changed",
+  [
+    ("coco", {"public.max_objects": 5, "public.min_visible": 0.3}),
+    ("in_distribution", {"public.shift": 0.0}),
+  ],
+)
+def test_public_set_blocks_change_only_the_public_set(variant, changed):
+  default, block = _flat(fedmuscle_config.get_config()), _flat(fedmuscle_config.get_config(variant))
+  assert {k: v for k, v in block.items() if default[k] != v} == changed
+  assert block.keys() == default.keys()
+
+
+def test_unknown_variant_names_the_known_ones():
+  with pytest.raises(ValueError, match="expected cnn_m, coco, in_distribution"):
+    fedmuscle_config.get_config("cifar")
+
+
 def test_unknown_model_and_task_names():
   config = fedmuscle_config.get_config("smoke")
   config.users[0]["encoder"] = "vit_xxl"
