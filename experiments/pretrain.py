@@ -50,6 +50,10 @@ def get_config(arg=None):
   config.dtype = "float16"  # stored tensors; loading gives float32
   config.probe = ml_collections.ConfigDict({"train": 1000, "test": 1000})
   config.eval_pairs = 1000
+  # Each encoder's pooled-feature mean and std over this many web inputs, stored in
+  # its folder for user models that standardise their features (models.build's
+  # `standardize`).
+  config.stats_size = 2048
   if arg == "smoke":
     config.pairs = (("vit_t", "transformer_t"), ("cnn_s", "transformer_t"))
     config.web.size = 256
@@ -60,6 +64,7 @@ def get_config(arg=None):
     config.dtype = "float32"
     config.probe = ml_collections.ConfigDict({"train": 64, "test": 64})
     config.eval_pairs = 32
+    config.stats_size = 64
   elif arg is not None:
     raise ValueError(f"unknown variant {arg!r}; expected smoke.")
   return config

@@ -59,6 +59,38 @@ def test_unknown_variant_names_the_known_ones():
     fedmuscle_config.get_config("cifar")
 
 
+def test_standardize_needs_statistics_and_can_be_turned_off(tmp_path):
+  from flax import nnx
+
+  from fedjax_mm import models
+
+  config = fedmuscle_config.get_config("smoke")
+  users = runner.validate(config)
+  assert all(runner._model_config(config, u)["standardize"] for u in users)
+  config.users[0]["standardize"] = False  # one user opts out
+  assert [runner._model_config(config, u)["standardize"] for u in users] == [False, True, True]
+  config.standardize = False
+  config.users[1]["standardize"] = True
+  assert [runner._model_config(config, u)["standardize"] for u in users] == [False, True, False]
+  config.pretrained = ""  # from scratch: nothing to standardise with
+  assert not any(runner._model_config(config, u)["standardize"] for u in users)
+  model = models.build(runner._model_config(config, users[0]), rngs=nnx.Rngs(0))
+  assert model.standardize is None
+
+  config = fedmuscle_config.get_config("smoke")
+  config.users[0]["standardize"] = "yes"
+  with pytest.raises(runner.ConfigError, match="user 1: standardize must be True or False"):
+    runner.validate(config)
+  # A checkpoint written before the statistics existed names what to do.
+  folder = tmp_path / "cnn_s"
+  encoder = models.build_encoder("cnn_s", rngs=nnx.Rngs(0))
+  models.pretrained.save(folder, encoder, models.pretrained.read_config("world-clip/cnn_s"))
+  config = fedmuscle_config.get_config("smoke")
+  config.users[0]["pretrained"] = str(folder)
+  with pytest.raises(runner.ConfigError, match="carries no feature statistics"):
+    runner.validate(config)
+
+
 def test_unknown_model_and_task_names():
   config = fedmuscle_config.get_config("smoke")
   config.users[0]["encoder"] = "vit_xxl"
@@ -203,6 +235,7 @@ def _encoder_sources(state):
 @pytest.mark.parametrize("fine_tune", ["adapters", "full"])
 def test_users_start_from_the_shipped_encoders(fine_tune):
   import numpy as np
+  from flax import nnx
 
   from fedjax_mm import models
 
@@ -222,6 +255,16 @@ def test_users_start_from_the_shipped_encoders(fine_tune):
       assert not frozen and not any("lora" in p for p in trained)
       source = trained_encoder
     shipped.pop("projection.kernel")
+    # Its features standardised with the shipped statistics, held fixed in either mode.
+    stats = {
+      ".".join(map(str, p[1:])): v[...]
+      for p, v in nnx.to_flat_state(state.shared)
+      if p[0] == "standardize"
+    }
+    assert stats.keys() == {"mean", "std"}
+    for key in ("mean", "std"):
+      np.testing.assert_array_equal(stats[key], shipped.pop(f"pooled.{key}"), err_msg=u.name)
+    assert not any(p.startswith("standardize") for p in trained)
     assert source.keys() == shipped.keys()
     for name, value in shipped.items():
       np.testing.assert_array_equal(np.asarray(source[name]), value, err_msg=f"{u.name} {name}")

@@ -125,6 +125,61 @@ def test_build_loads_the_encoder_and_lora_trains_only_adapters(tmp_path):
     np.testing.assert_array_equal(loaded[path][...], var[...], err_msg=str(path))
 
 
+def test_feature_stats_are_stored_and_standardize_the_pooled_features(tmp_path):
+  x = _inputs("cnn_s")
+  source = models.build_encoder("cnn_s", rngs=nnx.Rngs(0), **IMAGE)
+  inputs = np.random.default_rng(1).random((10, 32, 32, 3), np.float32)
+  mean, std = pretrained.feature_stats(source, inputs, batch_size=3)  # batches 3+3+3+1
+  pooled = np.asarray(source(jnp.asarray(inputs))[0], np.float64)
+  np.testing.assert_allclose(mean, pooled.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(std, pooled.std(0), rtol=1e-5, atol=1e-6)
+  cfg = {"encoder": "cnn_s", "modality": "image", **IMAGE}
+  folder = pretrained.save(tmp_path / "with", source, cfg, feature_stats=(mean, std))
+  bare = pretrained.save(tmp_path / "bare", source, cfg)
+  got = pretrained.read_feature_stats(folder)
+  np.testing.assert_array_equal(got[0], mean)
+  np.testing.assert_array_equal(got[1], std)
+
+  config = {"encoder": "cnn_s", "head": "mlp", "num_outputs": 10, "rep_dim": 16}
+  plain = models.build(config | {"pretrained": str(folder)}, rngs=nnx.Rngs(5))
+  model = models.build(config | {"pretrained": str(folder), "standardize": True}, rngs=nnx.Rngs(5))
+  assert plain.standardize is None
+  # The same encoder, projector and head; the projector reads (pooled - mean) / std.
+  raw = np.asarray(model.encoder(x)[0])
+  p = model.projector(jnp.asarray((raw - mean) / np.maximum(std, 1e-6)))  # dead units: std 0
+  z, y = model.forward(x)
+  np.testing.assert_allclose(z, models.l2_normalize(p), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y, model.head(p), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model(x), y, rtol=1e-6)
+  np.testing.assert_allclose(model.represent(x), z, rtol=1e-6)
+  assert not np.allclose(plain.forward(x)[0], z, atol=1e-3)
+  # The statistics are no parameter: nothing trains or averages them.
+  stats = nnx.state(model, models.FeatureStat)
+  assert {".".join(map(str, k)) for k, _ in nnx.to_flat_state(stats)} == {
+    "standardize.mean",
+    "standardize.std",
+  }
+  for wrt in (nnx.Param, models.trainable_filter(lora=True), models.representation_filter):
+    paths = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(model, wrt))}
+    assert not any(k.startswith("standardize") for k in paths)
+
+  with pytest.raises(pretrained.PretrainedError, match="carries no feature statistics"):
+    models.build(config | {"pretrained": str(bare), "standardize": True}, rngs=nnx.Rngs(5))
+  with pytest.raises(ValueError, match="needs a `pretrained` checkpoint"):
+    models.build(config | {"standardize": True}, rngs=nnx.Rngs(5))
+  with pytest.raises(ValueError, match="standardize must be a bool"):
+    models.build(config | {"pretrained": str(folder), "standardize": 1}, rngs=nnx.Rngs(5))
+  with pytest.raises(ValueError, match=r"two \[64\] arrays, got \(3,\)"):
+    pretrained.save(tmp_path / "x", source, cfg, feature_stats=(mean[:3], std))
+  # Added later to a folder without them, every other tensor kept.
+  pretrained.add_feature_stats(bare, source, (mean, std))
+  np.testing.assert_array_equal(pretrained.read_feature_stats(bare)[1], std)
+  before, after = pretrained.read_tensors(folder), pretrained.read_tensors(bare)
+  assert before.keys() == after.keys()
+  for k in before:
+    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
 def _tiny_config():
   config = pretrain_config.get_config("smoke")
   config.web.size = 128
@@ -162,8 +217,27 @@ def test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality(tmp_path
   again = pretrain.evaluate(model, *splits)
   for key, value in recorded["quality"].items():
     assert again[key] == pytest.approx(value, abs=1e-3), key
-  # A rerun resumes: nothing is retrained, the same figures come back.
+  # Each folder holds its encoder's feature statistics over the first stats_size web inputs.
+  web = data.generate(pretrain.WEB_SEED + config.seed, config.web.size, shift=config.web.shift)
+  for name, encoder in (("vit_t", model.image_encoder), ("transformer_t", model.text_encoder)):
+    modality = models.ENCODERS[name][0]
+    want = pretrained.feature_stats(encoder, pretrain.stats_inputs(config, web, modality))
+    got = pretrained.read_feature_stats(folder / name)
+    for g, w in zip(got, want, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+  # A rerun resumes: nothing is retrained, the same figures come back, and folders
+  # written before the statistics existed get them.
+  from safetensors.numpy import save_file
+
+  old = {k: v for k, v in pretrained.read_tensors(folder / "cnn_s").items() if "pooled" not in k}
+  save_file(old, str(folder / "cnn_s" / pretrained.WEIGHTS_FILE))
+  with pytest.raises(pretrained.PretrainedError):
+    pretrained.read_feature_stats(folder / "cnn_s")
   assert pretrain.run(config, tmp_path / "run", progress=False)["pairs"] == results["pairs"]
+  cnn = pretrain.load_pair(config, folder, "cnn_s", "transformer_t").image_encoder
+  want = pretrained.feature_stats(cnn, pretrain.stats_inputs(config, web, "image"))
+  for g, w in zip(pretrained.read_feature_stats(folder / "cnn_s"), want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def _eval_splits(config):
@@ -190,6 +264,22 @@ def test_shipped_weights_load_and_match_their_config(name):
   )
   assert model.encoder.features == config["features"]
   assert np.isfinite(np.asarray(model.encoder(_inputs(config["encoder"]))[0])).all()
+  mean, std = pretrained.read_feature_stats(name)
+  assert mean.shape == std.shape == (config["features"],) and (std > 0).all()
+
+
+def test_shipped_feature_stats_are_the_pretraining_datas():
+  # cnn_m, the encoder every default FedMuscle IC user has: its stored statistics are
+  # what pretrain.feature_stats gives over the first stats_size web images (float16).
+  if "world-clip/cnn_m" not in pretrained.available():
+    pytest.skip("no shipped weights")
+  config = pretrain_config.get_config()
+  web = data.generate(pretrain.WEB_SEED + config.seed, config.web.size, shift=config.web.shift)
+  encoder = models.build_encoder("cnn_m", rngs=nnx.Rngs(0), **IMAGE)
+  pretrained.load_into(encoder, "world-clip/cnn_m")
+  want = pretrained.feature_stats(encoder, pretrain.stats_inputs(config, web, "image"))
+  for got, w in zip(pretrained.read_feature_stats("world-clip/cnn_m"), want, strict=True):
+    np.testing.assert_allclose(got, w, rtol=2e-3, atol=1e-4)
 
 
 def test_shipped_pair_reproduces_its_recorded_quality():

@@ -34,6 +34,10 @@ Config keys (``DEFAULTS`` gives the defaults; unknown keys are an error):
   its ``encoder`` and size keys must match. The projector and head stay
   freshly initialised; with ``lora_rank > 0`` the adapters too (``B = 0``, so
   the loaded encoder's output is unchanged until they train).
+* ``standardize``: standardise the encoder's pooled features with the
+  ``pretrained`` checkpoint's statistics of its pretraining data before the
+  projector (:class:`~fedjax_mm.models.user_model.Standardize`; default False).
+  Needs a ``pretrained`` checkpoint that carries them.
 * text: ``vocab_size`` (1000), ``max_len`` (32); image: ``image_size`` (32),
   ``channels`` (3). Keys of the other modality are ignored, and so are these
   for ``hf:`` encoders, whose sizes are the checkpoint's.
@@ -51,6 +55,8 @@ from fedjax_mm.models import heads, hf, image, lora, pretrained, text
 from fedjax_mm.models.heads import LinearHead, MlpHead, SegmentationHead
 from fedjax_mm.models.lora import adapter_filter, dense, frozen_filter, trainable_filter
 from fedjax_mm.models.user_model import (
+  FeatureStat,
+  Standardize,
   UserModel,
   head_filter,
   l2_normalize,
@@ -61,10 +67,12 @@ __all__ = [
   "DEFAULTS",
   "ENCODERS",
   "HEADS",
+  "FeatureStat",
   "LORA_ENCODERS",
   "LinearHead",
   "MlpHead",
   "SegmentationHead",
+  "Standardize",
   "UserModel",
   "adapter_filter",
   "build",
@@ -120,6 +128,7 @@ DEFAULTS: dict[str, Any] = {
   "head_hidden": None,
   "modality": None,
   "pretrained": None,
+  "standardize": False,
   "vocab_size": 1000,
   "max_len": 32,
   "image_size": 32,
@@ -218,6 +227,12 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
       raise ValueError(f"{key} must be a positive int, got {c[key]!r}.")
   if head_cls.reads == "spatial" and modality != "image":
     raise ValueError(f"head {c['head']!r} needs an image encoder, got {c['encoder']!r}.")
+  if not isinstance(c["standardize"], bool):
+    raise ValueError(f"standardize must be a bool, got {c['standardize']!r}.")
+  if c["standardize"] and not c["pretrained"]:
+    raise ValueError(
+      "standardize=True needs a `pretrained` checkpoint: the statistics are its pretraining data's."
+    )
 
   encoder = build_encoder(
     c["encoder"],
@@ -229,6 +244,9 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
   if c["pretrained"]:
     expect = {"encoder": c["encoder"], **{k: c[k] for k in _MODALITY_KEYS[modality]}}
     pretrained.load_into(encoder, c["pretrained"], expect=expect)
+  standardize = (
+    Standardize(*pretrained.read_feature_stats(c["pretrained"])) if c["standardize"] else None
+  )
   projector = nnx.Linear(encoder.features, c["rep_dim"], rngs=rngs)
   head_kwargs = (
     {} if c["head_hidden"] is None or c["head"] == "linear" else {"hidden": c["head_hidden"]}
@@ -237,7 +255,7 @@ def build(name_or_config: str | Mapping[str, Any], *, rngs: nnx.Rngs, **override
     head = head_cls(encoder.spatial_features, c["num_outputs"], rngs=rngs, **head_kwargs)
   else:
     head = head_cls(c["rep_dim"], c["num_outputs"], rngs=rngs, **head_kwargs)
-  return UserModel(encoder, projector, head, modality=modality)
+  return UserModel(encoder, projector, head, modality=modality, standardize=standardize)
 
 
 def param_count(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> int:

@@ -12,7 +12,11 @@ A checkpoint is a folder holding
   path (``blocks.0.attn.query.kernel``), as PyTorch state dicts name theirs.
   A ``projection.kernel`` tensor, when present, is the CLIP projection into the
   joint space that the encoder was pretrained with (used for zero-shot
-  retrieval; user models build their own projector).
+  retrieval; user models build their own projector). ``pooled.mean`` and
+  ``pooled.std``, when present, are the per-feature mean and standard deviation
+  of the encoder's pooled output over its pretraining data
+  (:func:`feature_stats`), which a user model may standardise its features with
+  (``standardize`` in :func:`fedjax_mm.models.build`; :func:`read_feature_stats`).
 
 Checkpoints are found by name or by path: ``"world-clip/vit_s"`` is the folder
 of that name shipped in the package (:data:`WEIGHTS_DIR`), anything containing
@@ -35,11 +39,15 @@ import numpy as np
 from flax import nnx
 
 __all__ = [
+  "STATS_KEYS",
   "WEIGHTS_DIR",
   "PretrainedError",
+  "add_feature_stats",
   "available",
+  "feature_stats",
   "load_into",
   "read_config",
+  "read_feature_stats",
   "read_tensors",
   "resolve",
   "save",
@@ -50,6 +58,8 @@ __all__ = [
 WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "weights"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+#: The tensors holding the pooled features' statistics (mean, std) over the pretraining data.
+STATS_KEYS = ("pooled.mean", "pooled.std")
 _SIZE_KEYS = {"image": ("image_size", "channels"), "text": ("vocab_size", "max_len")}
 
 
@@ -119,6 +129,7 @@ def save(
   config: Mapping[str, Any],
   *,
   projection: np.ndarray | None = None,
+  feature_stats: tuple[np.ndarray, np.ndarray] | None = None,
   dtype: str = "float32",
 ) -> pathlib.Path:
   """Writes ``encoder``'s base parameters and ``config`` as a checkpoint folder.
@@ -130,6 +141,9 @@ def save(
       and the modality's size keys.
     projection: optional ``[features, d]`` CLIP projection, stored as
       ``projection.kernel``.
+    feature_stats: optional ``(mean, std)``, each ``[features]``, of the pooled
+      features over the pretraining data (:func:`feature_stats`), stored as
+      :data:`STATS_KEYS`.
     dtype: ``"float32"`` or ``"float16"`` for the stored tensors (loading
       always returns float32).
 
@@ -148,6 +162,8 @@ def save(
   tensors = {k: np.asarray(v[...], dtype) for k, v in _base_params(encoder).items()}
   if projection is not None:
     tensors["projection.kernel"] = np.asarray(projection, dtype)
+  if feature_stats is not None:
+    tensors |= _stats_tensors(encoder, feature_stats, dtype)
   save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "np"})
   (path / WEIGHTS_FILE).chmod(0o644)
   body = {"model_type": "world-clip", **dict(config), "dtype": dtype}
@@ -181,7 +197,8 @@ def load_into(
     detail = ", ".join(f"{k}: wanted {a!r}, checkpoint has {b!r}" for k, (a, b) in wrong.items())
     raise PretrainedError(f"checkpoint {folder} does not fit: {detail}.")
   tensors = read_tensors(folder)
-  tensors.pop("projection.kernel", None)
+  for key in ("projection.kernel", *STATS_KEYS):
+    tensors.pop(key, None)
   params = _base_params(encoder)
   missing = sorted(set(params) - set(tensors))
   unexpected = sorted(set(tensors) - set(params))
@@ -199,6 +216,74 @@ def load_into(
       )
     var[...] = jnp.asarray(tensors[name], var[...].dtype)
   return config
+
+
+def _stats_tensors(encoder, stats, dtype) -> dict[str, np.ndarray]:
+  mean, std = (np.asarray(v, np.float32) for v in stats)
+  if mean.shape != (encoder.features,) or std.shape != (encoder.features,):
+    raise ValueError(
+      f"feature statistics must be two [{encoder.features}] arrays, got {mean.shape} and {std.shape}."
+    )
+  if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std >= 0)):
+    raise ValueError("feature statistics must be finite, with std >= 0.")
+  return dict(zip(STATS_KEYS, (mean.astype(dtype), std.astype(dtype)), strict=True))
+
+
+def feature_stats(
+  encoder: nnx.Module, inputs: np.ndarray, *, batch_size: int = 500
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per-feature mean and standard deviation of ``encoder``'s pooled output over ``inputs``.
+
+  Args:
+    encoder: an image or text encoder (``encoder(x) -> (pooled [b, h], spatial)``).
+    inputs: ``[n, ...]`` images or token ids, e.g. a prefix of its pretraining data.
+    batch_size: inputs per forward pass.
+
+  Returns:
+    ``(mean, std)``, float32 ``[h]`` each (population std, over the ``n`` inputs).
+  """
+  if len(inputs) < 2:
+    raise ValueError(f"feature statistics need at least 2 inputs, got {len(inputs)}.")
+  pooled = np.concatenate(
+    [
+      np.asarray(encoder(jnp.asarray(inputs[i : i + batch_size]))[0], np.float64)
+      for i in range(0, len(inputs), batch_size)
+    ]
+  )
+  return pooled.mean(0).astype(np.float32), pooled.std(0).astype(np.float32)
+
+
+def read_feature_stats(name_or_path: str | pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+  """The checkpoint's ``(mean, std)`` of its pooled features (:data:`STATS_KEYS`).
+
+  Raises:
+    PretrainedError: the checkpoint carries no statistics.
+  """
+  tensors = read_tensors(name_or_path)
+  if not all(k in tensors for k in STATS_KEYS):
+    raise PretrainedError(
+      f"checkpoint {resolve(name_or_path)} carries no feature statistics ({', '.join(STATS_KEYS)}); "
+      "rebuild it with `python -m experiments.main --config=experiments/pretrain.py` "
+      "(a rerun over finished folders adds them) or build the model with standardize=False."
+    )
+  return tensors[STATS_KEYS[0]], tensors[STATS_KEYS[1]]
+
+
+def add_feature_stats(
+  name_or_path: str | pathlib.Path, encoder: nnx.Module, stats: tuple[np.ndarray, np.ndarray]
+) -> pathlib.Path:
+  """Writes ``stats`` into an existing checkpoint's ``model.safetensors``, every other tensor kept.
+
+  The stored dtype is the checkpoint's (``config.json``'s ``dtype``); existing
+  statistics are replaced.
+  """
+  from safetensors.numpy import load_file, save_file
+
+  folder = resolve(name_or_path)
+  dtype = read_config(folder).get("dtype", "float32")
+  tensors = load_file(str(folder / WEIGHTS_FILE)) | _stats_tensors(encoder, stats, dtype)
+  save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "np"})
+  return folder
 
 
 def size_keys(modality: str) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ FedMuscle (and CreamFL, FedSCMR) split user n's model into a representation
 model ``w^n`` and a task head::
 
     pooled, spatial = encoder(x)          pooled [b, h], spatial [b, H', W', c] or [b, L, h]
+    pooled = (pooled - mu) / sigma        optional: a pretrained encoder's feature statistics
     p  = projector(pooled)                [b, d]      (d = rep_dim, 256 in the paper)
     z  = p / max(||p||, eps)              [b, d]      what crosses the wire
     y  = head(p)          classification  [b, C]      logits
@@ -24,7 +25,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["UserModel", "head_filter", "l2_normalize", "representation_filter"]
+__all__ = [
+  "FeatureStat",
+  "Standardize",
+  "UserModel",
+  "head_filter",
+  "l2_normalize",
+  "representation_filter",
+]
 
 #: Parameters of the representation model ``w^n`` (encoder + projector).
 representation_filter = nnx.All(
@@ -44,6 +52,35 @@ def l2_normalize(x: jax.Array, axis: int = -1, eps: float = 1e-6) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.maximum(sq, eps * eps))
 
 
+class FeatureStat(nnx.Variable):
+  """A fixed statistic of a pretrained encoder's features: not an ``nnx.Param``, never trained."""
+
+
+class Standardize(nnx.Module):
+  """``(x - mean) / max(std, eps)`` per feature, with fixed statistics.
+
+  The pooled features of a pretrained encoder over its pretraining data
+  (:func:`fedjax_mm.models.pretrained.feature_stats`), as the frozen BatchNorm
+  statistics of a pretrained ResNet or the final LayerNorm of a ViT put the
+  papers' encoders' features on one scale. Raw World-CLIP CNN features are
+  averages of ReLU maps, a few dimensions carrying most of the scale, which
+  slows a head trained on 50-200 samples under Adam (README, Pretrained
+  foundations). ``mean`` and ``std`` are :class:`FeatureStat` variables, so
+  ``nnx.Param`` filters (what an optimiser trains, what FedAvg averages) skip them.
+  """
+
+  def __init__(self, mean, std, *, eps: float = 1e-6):
+    mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
+    if mean.ndim != 1 or mean.shape != std.shape:
+      raise ValueError(f"mean and std must be equal [h] vectors, got {mean.shape}, {std.shape}.")
+    self.mean = FeatureStat(mean)
+    self.std = FeatureStat(std)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return (x - self.mean[...]) / jnp.maximum(self.std[...], self.eps)
+
+
 class UserModel(nnx.Module):
   """Encoder + projector + head for one user.
 
@@ -54,16 +91,29 @@ class UserModel(nnx.Module):
     head: a module from :mod:`fedjax_mm.models.heads` (``reads`` says whether
       it consumes the projector output or the spatial map).
     modality: ``"image"`` or ``"text"``.
+    standardize: optional :class:`Standardize` applied to the pooled features
+      before the projector (the segmentation head's feature map is left as is).
   """
 
   def __init__(
-    self, encoder: nnx.Module, projector: nnx.Module, head: nnx.Module, *, modality: str
+    self,
+    encoder: nnx.Module,
+    projector: nnx.Module,
+    head: nnx.Module,
+    *,
+    modality: str,
+    standardize: Standardize | None = None,
   ):
     if modality not in ("image", "text"):
       raise ValueError(f"modality must be 'image' or 'text', got {modality!r}.")
     if head.reads == "spatial" and modality != "image":
       raise ValueError("a segmentation head needs an image encoder.")
+    if standardize is not None and standardize.mean.shape != (encoder.features,):
+      raise ValueError(
+        f"standardize has {standardize.mean.shape[0]} features, the encoder {encoder.features}."
+      )
     self.encoder = encoder
+    self.standardize = standardize
     self.projector = projector
     self.head = head
     self.modality = modality
@@ -71,6 +121,9 @@ class UserModel(nnx.Module):
   @property
   def rep_dim(self) -> int:
     return self.projector.out_features
+
+  def _pooled(self, pooled: jax.Array) -> jax.Array:
+    return pooled if self.standardize is None else self.standardize(pooled)
 
   def _head(self, p: jax.Array | None, spatial: jax.Array, x: jax.Array) -> jax.Array:
     if self.head.reads == "spatial":
@@ -80,16 +133,16 @@ class UserModel(nnx.Module):
   def represent(self, x: jax.Array) -> jax.Array:
     """L2-normalised representations ``z [b, d]`` of inputs ``x``."""
     pooled, _ = self.encoder(x)
-    return l2_normalize(self.projector(pooled))
+    return l2_normalize(self.projector(self._pooled(pooled)))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Task outputs: logits ``[b, C]`` or per-pixel logits ``[b, H, W, C]``."""
     pooled, spatial = self.encoder(x)
-    p = None if self.head.reads == "spatial" else self.projector(pooled)
+    p = None if self.head.reads == "spatial" else self.projector(self._pooled(pooled))
     return self._head(p, spatial, x)
 
   def forward(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(z, outputs)`` = (:meth:`represent`, :meth:`__call__`) with one encoder pass."""
     pooled, spatial = self.encoder(x)
-    p = self.projector(pooled)
+    p = self.projector(self._pooled(pooled))
     return l2_normalize(p), self._head(p, spatial, x)

@@ -214,10 +214,15 @@ def validate(config) -> tuple[User, ...]:
         f"got {_fine_tune(config, config.users[u.index])!r}."
       )
   for u in users:
-    checkpoint = _pretrained(config, config.users[u.index], u.encoder)
+    spec = config.users[u.index]
+    checkpoint = _pretrained(config, spec, u.encoder)
+    if not isinstance(spec.get("standardize", config.get("standardize", False)), bool):
+      raise ConfigError(f"{u.name}: standardize must be True or False.")
     if checkpoint:
       try:
         models.pretrained.resolve(checkpoint)
+        if _standardize(config, spec, u.encoder):
+          models.pretrained.read_feature_stats(checkpoint)
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
   # Last, so a missing checkpoint is named first; still before anything is built.
@@ -560,6 +565,7 @@ def _model_config(config, u: User) -> dict[str, Any]:
   lora_rank = spec.get("lora_rank", config.lora_rank) if lora_ok else 0
   model_config |= {
     "pretrained": None if hf else checkpoint,
+    "standardize": _standardize(config, spec, u.encoder),
     "lora_rank": lora_rank if _frozen_base(config, u) else 0,
   }
   if hf:
@@ -579,6 +585,17 @@ def _pretrained(config, spec, encoder: str) -> str | None:
   if "pretrained" in spec:
     return spec["pretrained"] or None
   return f"{config.pretrained}/{encoder}" if config.pretrained else None
+
+
+def _standardize(config, spec, encoder: str) -> bool:
+  """Whether a user standardises its pooled features with its checkpoint's statistics.
+
+  ``standardize`` (a user's own key wins over the config's), for users that start
+  from a World-CLIP checkpoint; never for ``hf:`` encoders or from scratch.
+  """
+  if not _pretrained(config, spec, encoder):
+    return False
+  return bool(spec.get("standardize", config.get("standardize", False)))
 
 
 def _finite_per_user(state) -> jax.Array:

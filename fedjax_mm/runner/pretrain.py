@@ -23,10 +23,14 @@
    ``workdir/world-clip/<encoder>`` (:mod:`fedjax_mm.models.pretrained`):
    every image encoder from its pair, every text encoder from the first pair
    that names it; ``config.json`` records the pretraining and the quality
-   figures.
+   figures, and ``model.safetensors`` also holds each encoder's pooled-feature
+   statistics (mean, std) over the first ``config.stats_size`` web inputs
+   (:func:`~fedjax_mm.models.pretrained.feature_stats`), which a user model
+   may standardise with (``standardize`` in :func:`fedjax_mm.models.build`).
 
 A rerun resumes at pair granularity: a pair whose folders are complete is
-evaluated from them instead of retrained. The workdir is held like the
+evaluated from them instead of retrained (folders written before the
+statistics existed get them added, every other tensor kept). The workdir is held like the
 federated runs' (:func:`~fedjax_mm.runner.workdir.claim_workdir`: one run per
 workdir; in a multi-process job process 0 writes). The shipped weights
 (``fedjax_mm/weights/world-clip``) are this run's folders at the default
@@ -107,6 +111,8 @@ def validate(config) -> list[tuple[str, str]]:
     )
   if not 0.0 <= config.web.shift <= 1.0:
     raise ConfigError(f"web.shift must be in [0, 1], got {config.web.shift}.")
+  if not 2 <= config.stats_size <= config.web.size:
+    raise ConfigError(f"stats_size must be in [2, web.size], got {config.stats_size}.")
   if min(config.probe.train, config.probe.test, config.eval_pairs) < 10:
     raise ConfigError("probe.train, probe.test and eval_pairs must each be >= 10.")
   return pairs
@@ -276,7 +282,18 @@ def _folder_config(config, model, name, modality, partner, quality, steps) -> di
   }
 
 
-def _save_pair(config, out_dir, model, image_name, text_name, text_owner, quality, steps):
+def stats_inputs(config, web: dict[str, np.ndarray], modality: str) -> np.ndarray:
+  """The web inputs an encoder's feature statistics are taken over: the first ``stats_size``.
+
+  Images, or captions in the order the pairs hold them (5 a pair).
+  """
+  if modality == "image":
+    return web["image"][: config.stats_size]
+  caps = web["caption"]
+  return caps.reshape(-1, caps.shape[-1])[: config.stats_size]
+
+
+def _save_pair(config, out_dir, model, image_name, text_name, text_owner, quality, steps, web):
   towers = [("image", image_name, text_name, model.image_encoder, model.image_projection)]
   if text_owner:
     towers.insert(0, ("text", text_name, image_name, model.text_encoder, model.text_projection))
@@ -287,8 +304,26 @@ def _save_pair(config, out_dir, model, image_name, text_name, text_owner, qualit
       encoder,
       _folder_config(config, model, name, modality, partner, quality, steps),
       projection=np.asarray(projection.kernel[...]),
+      feature_stats=pretrained.feature_stats(encoder, stats_inputs(config, web, modality)),
       dtype=config.dtype,
     )
+
+
+def _add_missing_stats(config, out_dir, image_name, text_name, text_owner, web) -> None:
+  """Adds the feature statistics to a finished pair's folders that predate them."""
+  names = [(image_name, "image")] + ([(text_name, "text")] if text_owner else [])
+  lacking = [
+    (n, m)
+    for n, m in names
+    if not set(pretrained.STATS_KEYS) <= set(pretrained.read_tensors(out_dir / n))
+  ]
+  if not lacking:
+    return
+  model = load_pair(config, out_dir, image_name, text_name)
+  for name, modality in lacking:
+    encoder = model.image_encoder if modality == "image" else model.text_encoder
+    stats = pretrained.feature_stats(encoder, stats_inputs(config, web, modality))
+    pretrained.add_feature_stats(out_dir / name, encoder, stats)
 
 
 def load_pair(config, folder: pathlib.Path, image_name: str, text_name: str) -> clip.ClipModel:
@@ -344,6 +379,9 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
     done = (out_dir / image_name / pretrained.CONFIG_FILE).is_file()
     if done:  # Resume: this pair was finished by an earlier run.
       quality = pretrained.read_config(out_dir / image_name)["quality"]
+      if writes:
+        owner = text_owner[text_name] == image_name
+        _add_missing_stats(config, out_dir, image_name, text_name, owner, web)
     else:
       writer = MetricWriter(workdir, pair, resume_round=-1) if writes else None
       with contextlib.nullcontext() if writer is None else writer:
@@ -371,6 +409,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           text_owner[text_name] == image_name,
           quality,
           steps,
+          web,
         )
     results["pairs"][pair] = quality
   results["wall_time_s"] = time.time() - started
