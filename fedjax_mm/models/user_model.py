@@ -63,9 +63,9 @@ class Standardize(nnx.Module):
   (:func:`fedjax_mm.models.pretrained.feature_stats`), as the frozen BatchNorm
   statistics of a pretrained ResNet or the final LayerNorm of a ViT put the
   papers' encoders' features on one scale. Raw World-CLIP CNN features are
-  averages of ReLU maps, a few dimensions carrying most of the scale, which
-  slows a head trained on 50-200 samples under Adam (README, Pretrained
-  foundations). ``mean`` and ``std`` are :class:`FeatureStat` variables, so
+  averages of ReLU maps whose dimensions differ in scale by up to 7x (cnn_m),
+  and a head trained on them under Adam with 50-200 samples learns less
+  (README, Pretrained foundations). ``mean`` and ``std`` are :class:`FeatureStat` variables, so
   ``nnx.Param`` filters (what an optimiser trains, what FedAvg averages) skip them.
   """
 
