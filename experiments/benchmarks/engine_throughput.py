@@ -19,8 +19,11 @@ default) and, for N <= ``--xla_limit``, with XLA's native convolution, which
 on at most ``--loop_limit`` clients and scaled). It prints client-steps per
 second, the compute rate each contender reaches (XLA's FLOP count of the
 round over its time) next to a dense float32 matmul measured in the same run,
-and the ratios. Timing is the median of ``--repeats`` runs (each a full round
-of N clients).
+and the ratios. The im2col contenders of one N are timed interleaved: after
+one untimed round each, they run one round each in turn, ``--repeats`` times,
+so all of them share the same stretch of this machine's drifting speed; each
+speed-up over the loop is the median of the per-repetition (paired) ratios,
+and the rates are from the median round.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ TASK = core.Task("classification", "image", "label10", 10)
 
 
 def _median_time(fn, repeats):
+  """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
   jax.block_until_ready(fn())  # warm-up (and compile)
   times = []
   for _ in range(repeats):
@@ -92,20 +96,19 @@ def _model(conv_impl):
   return make
 
 
-def _repeats(impl):
-  return _REPEATS.value if impl == "im2col" else 1
-
-
 def _vmapped(impl, num_clients, client_data, batch, client_map="vmap"):
-  """(seconds, FLOPs) of one engine round with the given client map."""
+  """(round, FLOPs, 1): a callable running one engine round with the given client map."""
   group, state = _group(impl, num_clients, batch, client_map)
   vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
-  seconds = _median_time(lambda: vmapped(state, client_data), _repeats(impl))
-  return seconds, cost.flops(vmapped, state, client_data)
+  return (lambda: vmapped(state, client_data)), cost.flops(vmapped, state, client_data), 1.0
 
 
 def _loop(impl, num_clients, client_data, batch):
-  """(seconds, FLOPs) of the Python loop over the jitted single-client update."""
+  """(round, FLOPs, scale): the Python loop over the jitted single-client update.
+
+  The loop runs ``min(num_clients, --loop_limit)`` clients; ``scale`` turns
+  its time into a round of ``num_clients``.
+  """
   group, state = _group(impl, num_clients, batch)
   objective = core.supervised_objective(group, state.shared)
   single = jax.jit(
@@ -116,15 +119,42 @@ def _loop(impl, num_clients, client_data, batch):
   looped = min(num_clients, _LOOP_LIMIT.value)
   per = (state.params, state.opt_state, state.rng, client_data.arrays, client_data.sample_mask)
   clients = [jax.tree.map(lambda x, k=k: x[k], per) for k in range(looped)]
-  seconds = _median_time(lambda: [single(*c) for c in clients], _repeats(impl))
   # XLA's cost analysis counts the body of the local update's scan over steps once,
   # so the compiled update's count is one step's: a round is steps x clients of it.
   steps = -(-client_data.sample_mask.shape[1] // batch)
   return (
-    seconds * num_clients / looped,
+    lambda: [single(*c) for c in clients],
     cost.flops(single, *clients[0]) * steps * num_clients,
-    looped,
+    num_clients / looped,
   )
+
+
+def _interleaved(rounds, repeats):
+  """Times every contender's round ``repeats`` times, one round of each in turn.
+
+  This machine's speed drifts by 20-30% over a minute (other tenants, clock
+  changes), so contenders timed one after another can differ by that much
+  for no reason of their own. Interleaving puts every contender in the same
+  stretch of time; the ratios are then taken per repetition (paired) and
+  their median reported.
+
+  Args:
+    rounds: ``{name: (round_fn, flops, scale)}``; each ``round_fn`` is called
+      once untimed first (compilation, warm-up).
+    repeats: timed rounds per contender.
+
+  Returns:
+    ``{name: [seconds of each repetition, already scaled]}``.
+  """
+  for fn, _, _ in rounds.values():
+    jax.block_until_ready(fn())
+  times = {name: [] for name in rounds}
+  for _ in range(repeats):
+    for name, (fn, _, scale) in rounds.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append((time.perf_counter() - start) * scale)
+  return times
 
 
 def _group(impl, num_clients, batch, client_map="vmap"):
@@ -147,21 +177,41 @@ _MAPS = flags.DEFINE_list(
 
 
 def _cell(num_clients, steps, batch):
-  """{contender: (seconds per round, FLOPs per round)} and the clients looped over."""
+  """``({contender: (seconds per round, FLOPs, ratio)}, clients looped over)``.
+
+  ``seconds`` is the median round; ``ratio`` the median of the paired
+  (same-repetition) speed-ups over the loop. The im2col contenders are timed
+  interleaved (:func:`_interleaved`), ``--repeats`` rounds each; the slow
+  native-convolution pair once each, one after the other.
+  """
   per_client = steps * batch
   world = data.generate(0, num_clients * per_client)
   parts = np.split(np.arange(num_clients * per_client), num_clients)
   stacked, mask = data.stack_clients(data.split_clients(world, parts))
   client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
-  out = {}
-  *out["loop"], looped = _loop("im2col", num_clients, client_data, batch)
-  for client_map in _MAPS.value:
-    out[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
+  looped = min(num_clients, _LOOP_LIMIT.value)
   auto = core.resolve_client_map("auto")
-  out["auto"] = out.get(auto) or _vmapped("im2col", num_clients, client_data, batch, auto)
+  rounds = {"loop": _loop("im2col", num_clients, client_data, batch)}
+  for client_map in dict.fromkeys([*_MAPS.value, auto]):
+    rounds[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
+  times = _interleaved(rounds, _REPEATS.value)
   if num_clients <= _XLA_LIMIT.value:
-    *out["loop/xla"], _ = _loop("xla", num_clients, client_data, batch)
-    out["vmap/xla"] = _vmapped("xla", num_clients, client_data, batch)
+    native = {
+      "loop/xla": _loop("xla", num_clients, client_data, batch),
+      "vmap/xla": _vmapped("xla", num_clients, client_data, batch),
+    }
+    rounds |= native
+    times |= _interleaved(native, 1)
+  loop = np.asarray(times["loop"])
+
+  def paired(seconds):  # the native pair ran once each: no pairing with the loop
+    return float(np.median(loop / np.asarray(seconds))) if len(seconds) == len(loop) else None
+
+  out = {
+    name: (statistics.median(seconds), rounds[name][1], paired(seconds))
+    for name, seconds in times.items()
+  }
+  out["auto"] = out[auto]
   return out, looped
 
 
@@ -177,8 +227,9 @@ def main(argv):
     f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s; client_map='auto' is {auto!r} here"
   )
   print(
-    "client-steps/s of one round (GFLOP/s in brackets), im2col convolution; "
-    "each engine column in x of the loop"
+    "client-steps/s of the median round (GFLOP/s in brackets), im2col convolution; "
+    "each engine column's speed-up over the loop is the median of its paired ratios "
+    "(contenders timed in turn, one round each, --repeats times)"
   )
   cols = ["loop", *_MAPS.value, "auto"]
   header = f"{'N':>5} | " + " | ".join(f"{c:>19}" for c in cols)
@@ -196,8 +247,7 @@ def main(argv):
       rate = f"{n * steps / seconds:.1f} ({flops / seconds / 1e9:.1f})"
       if name == "loop":
         return f"{rate:>19}"
-      speedup = cell["loop"][0] / seconds
-      return f"{rate} {speedup:.2f}x".rjust(19)
+      return f"{rate} {cell[name][2]:.2f}x".rjust(19)
 
     scaled = "" if looped == num_clients else f"  (loop timed on {looped}, scaled)"
     print(f"{num_clients:>5} | " + " | ".join(show(c) for c in cols) + scaled)
@@ -205,9 +255,9 @@ def main(argv):
   if small:
     print("XLA's native convolution (vmap turns it into a grouped convolution):")
     for n in small:
-      (lv, _), (vv, _) = cells[n]["loop/xla"], cells[n]["vmap/xla"]
+      lv, vv = cells[n]["loop/xla"][0], cells[n]["vmap/xla"][0]
       print(f"{n:>5} | loop {n * steps / lv:.1f} | vmap {n * steps / vv:.1f} ({lv / vv:.2f}x)")
-  worst = min(cells[n]["loop"][0] / cells[n]["auto"][0] for n in cells)
+  worst = min(cells[n]["auto"][2] for n in cells)
   print(f"auto ({auto}) / loop, worst over N: {worst:.2f}x")
   if 64 in cells:
     loop_gflops = cells[64]["loop"][1] / cells[64]["loop"][0] / 1e9

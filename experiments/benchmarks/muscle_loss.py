@@ -17,8 +17,15 @@ temperatures (tau = 0.2, gamma = 1/0.15 - 1/0.2):
   ``muscle_loss_from_paper_targets``: eq. (5) as the paper's server sends it.
 
 It prints XLA's temporary memory for each compiled function
-(``compile().memory_analysis()``) and the two speed ratios against the
-contraction, measured in the same run. Cells whose work (``B^(M+1)`` terms) or
+(``compile().memory_analysis()``), XLA's count of its FLOPs and
+transcendentals (``cost_analysis()``; a lower bound, marked ``>=``, where the
+program loops over anchor chunks), and the two speed ratios against the
+contraction, measured in the same run, each beside its FLOP ratio: the speed
+ratio the two would have if they ran at the same FLOP rate. A speed ratio far
+above its FLOP ratio comes from the transcendentals avoided (the log-domain
+path takes one ``exp`` per tuple term) or from the contraction's smaller
+working set; one that tracks it says the contraction has no work left to
+remove, only speed per FLOP to gain. Cells whose work (``B^(M+1)`` terms) or
 memory would take minutes are not run and say so. The last lines check the
 targets: >= 10x the log-domain path at M = 3 and M = 4 (B = 32), M = 5 at
 B = 32 under 1 s, and >= 300x the paper's protocol at M = 3, B = 32.
@@ -61,11 +68,24 @@ PATHS = {"contract": _loss("contract"), "logsumexp": _loss("logsumexp"), "paper"
 
 
 def _compile(loss_fn, anchor, others):
+  """``(compiled, temporary bytes, work)`` of the loss and its gradient.
+
+  ``work`` is ``(FLOPs, transcendentals, exact)`` from XLA's cost analysis.
+  The analysis counts a loop's body once, so where the compiled program
+  loops (anchors streamed in chunks) the counts are lower bounds and
+  ``exact`` is False.
+  """
   grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
   compiled = jax.jit(grad).lower(anchor, others).compile()
   stats = compiled.memory_analysis()
   temp = None if stats is None else stats.temp_size_in_bytes
-  return compiled, temp
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  analysis = analysis or {}
+  exact = " while(" not in compiled.as_text()
+  work = (float(analysis.get("flops", 0.0)), float(analysis.get("transcendentals", 0.0)), exact)
+  return compiled, temp, work
 
 
 def _time(compiled, anchor, others, repeats):
@@ -84,19 +104,19 @@ def _time(compiled, anchor, others, repeats):
 
 
 def _run(path, batch, num_others, anchor, others, repeats):
-  """``(seconds, temp bytes, note)``; seconds is None when the cell is skipped."""
+  """``(seconds, temp bytes, work, note)``; seconds is None when the cell is skipped."""
   terms = batch ** (num_others + 1)
   if terms > _MAX_TERMS[path]:
-    return None, None, f"{path}: not run ({terms:.1e} terms)"
+    return None, None, None, f"{path}: not run ({terms:.1e} terms)"
   if path == "paper":
     s_bytes = batch**num_others * (anchor.shape[1] + 1) * 4
     if s_bytes > _MAX_GIB.value * 2**30:
-      return None, None, f"paper: not run, S alone is {s_bytes / 2**30:.0f} GiB"
-  compiled, temp = _compile(PATHS[path], anchor, others)
+      return None, None, None, f"paper: not run, S alone is {s_bytes / 2**30:.0f} GiB"
+  compiled, temp, work = _compile(PATHS[path], anchor, others)
   if temp is not None and temp > _MAX_GIB.value * 2**30:
-    return None, temp, f"{path}: not run, needs {temp / 2**30:.1f} GiB"
+    return None, temp, work, f"{path}: not run, needs {temp / 2**30:.1f} GiB"
   slow = terms > 2**24
-  return _time(compiled, anchor, others, 2 if slow else repeats), temp, ""
+  return _time(compiled, anchor, others, 2 if slow else repeats), temp, work, ""
 
 
 def _ms(seconds):
@@ -111,6 +131,21 @@ def _ratio(slow, fast):
   return "-" if slow is None or fast is None else f"{slow / fast:.1f}x"
 
 
+def _mflop(work):
+  """``"16.5"``: XLA's FLOP count in millions (``">=16.5"`` where it is a lower bound)."""
+  if work is None:
+    return "-"
+  flop, _, exact = work
+  return f"{'' if exact else '>='}{flop / 1e6:.1f}"
+
+
+def _work_ratio(slow, fast):
+  """Ratio of FLOP counts: the speed ratio two paths would have at equal FLOP rates."""
+  if slow is None or fast is None or not (slow[2] and fast[2]) or not fast[0]:
+    return "-"
+  return f"{slow[0] / fast[0]:.1f}x"
+
+
 def main(argv):
   del argv
   dim, repeats = _DIM.value, _REPEATS.value
@@ -118,9 +153,14 @@ def main(argv):
     f"Muscle loss + gradient (anchor and partners) for one user, d={dim}, tau={TAU}, "
     f"gamma={GAMMA:.4f}, device={jax.devices()[0].device_kind}"
   )
+  print(
+    "ms: median time; GiB: XLA's temporaries; MFLOP and Mexp: XLA's count of FLOPs and of "
+    "transcendentals (exp, log); time and (FLOP) ratios against the contraction"
+  )
   header = (
-    f"{'B':>3} {'M':>2} {'R':>5} | {'contract ms':>11} {'GiB':>6} | {'logsumexp ms':>12} {'GiB':>6} | "
-    f"{'paper ms':>10} {'GiB':>6} | {'lse/contr':>9} {'paper/contr':>11}"
+    f"{'B':>3} {'M':>2} {'R':>5} | {'contract ms':>11} {'GiB':>6} {'MFLOP':>8} | "
+    f"{'logsumexp ms':>12} {'GiB':>6} {'MFLOP':>8} {'Mexp':>6} | "
+    f"{'paper ms':>10} {'GiB':>6} {'MFLOP':>9} | {'lse/contr':>16} {'paper/contr':>17}"
   )
   print(header)
   print("-" * len(header))
@@ -134,33 +174,47 @@ def main(argv):
       others = others / jnp.linalg.norm(others, axis=-1, keepdims=True)
       cell, notes = {}, []
       for path in PATHS:
-        seconds, temp, note = _run(path, batch, num_others, anchor, others, repeats)
-        cell[path] = (seconds, temp)
+        seconds, temp, work, note = _run(path, batch, num_others, anchor, others, repeats)
+        cell[path] = (seconds, temp, work)
         if note:
           notes.append(note)
       results[batch, num_others] = cell
       logit_range = losses.muscle_logit_range(TAU, GAMMA, num_others)
-      (c, c_mem), (l, l_mem), (p, p_mem) = cell["contract"], cell["logsumexp"], cell["paper"]
+      (c, c_mem, c_w), (l, l_mem, l_w), (p, p_mem, p_w) = (
+        cell["contract"],
+        cell["logsumexp"],
+        cell["paper"],
+      )
+      exps = "-" if l_w is None else f"{l_w[1] / 1e6:.2f}"
+      lse_ratio = f"{_ratio(l, c)} ({_work_ratio(l_w, c_w)})"
+      paper_ratio = f"{_ratio(p, c)} ({_work_ratio(p_w, c_w)})"
       print(
-        f"{batch:>3} {num_others:>2} {logit_range:>5.1f} | {_ms(c):>11} {_gib(c_mem):>6} | "
-        f"{_ms(l):>12} {_gib(l_mem):>6} | {_ms(p):>10} {_gib(p_mem):>6} | "
-        f"{_ratio(l, c):>9} {_ratio(p, c):>11}  {'; '.join(notes)}",
+        f"{batch:>3} {num_others:>2} {logit_range:>5.1f} | "
+        f"{_ms(c):>11} {_gib(c_mem):>6} {_mflop(c_w):>8} | "
+        f"{_ms(l):>12} {_gib(l_mem):>6} {_mflop(l_w):>8} {exps:>6} | "
+        f"{_ms(p):>10} {_gib(p_mem):>6} {_mflop(p_w):>9} | "
+        f"{lse_ratio:>16} {paper_ratio:>17}  {'; '.join(notes)}",
         flush=True,
       )
 
   def get(batch, num_others, path):
-    return results.get((batch, num_others), {}).get(path, (None, None))[0]
+    return results.get((batch, num_others), {}).get(path, (None, None, None))[0]
+
+  def work(batch, num_others, path):
+    return results.get((batch, num_others), {}).get(path, (None, None, None))[2]
 
   print("targets (B = 32):")
   for num_others in (3, 4):
     print(
       f"  M={num_others}: contraction vs log-domain "
-      f"{_ratio(get(32, num_others, 'logsumexp'), get(32, num_others, 'contract'))} (target >= 10x)"
+      f"{_ratio(get(32, num_others, 'logsumexp'), get(32, num_others, 'contract'))} (target >= 10x; "
+      f"FLOP ratio {_work_ratio(work(32, num_others, 'logsumexp'), work(32, num_others, 'contract'))})"
     )
   print(f"  M=5: contraction {_ms(get(32, 5, 'contract'))} ms (target < 1000 ms)")
   print(
     f"  M=3: contraction vs the paper's protocol "
-    f"{_ratio(get(32, 3, 'paper'), get(32, 3, 'contract'))} (target >= 300x)"
+    f"{_ratio(get(32, 3, 'paper'), get(32, 3, 'contract'))} (target >= 300x; "
+    f"FLOP ratio {_work_ratio(work(32, 3, 'paper'), work(32, 3, 'contract'))})"
   )
 
 

@@ -1,0 +1,90 @@
+"""The benchmark scripts run, at toy sizes, and print the figures the README quotes.
+
+Timings are never asserted (they belong to the scripts' own output); these
+tests check that each script completes, prints every row and target line, and
+that the work counts it prints are XLA's.
+"""
+
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fedjax_mm import losses
+from fedjax_mm.core import cost
+
+
+def _run(module, *flags):
+  done = subprocess.run(
+    [sys.executable, "-m", f"experiments.benchmarks.{module}", *flags],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def _unit(x):
+  return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_muscle_loss_prints_xla_flop_counts_and_ratios():
+  out = _run("muscle_loss", "--batches=16", "--max_partners=2", "--dim=256", "--repeats=1")
+  rows = {
+    (int(m.group(1)), int(m.group(2))): m.group(0)
+    for m in re.finditer(r"^\s*(\d+)\s+(\d+)\s+[\d.]+ \|.*$", out, re.M)
+  }
+  assert set(rows) == {(16, 1), (16, 2)}
+  # The contraction's FLOP column equals XLA's count of the same compiled function.
+  keys = jax.random.split(jax.random.key(42), 2)
+  anchor = _unit(jax.random.normal(keys[0], (16, 256)))
+  others = _unit(jax.random.normal(keys[1], (2, 16, 256)))
+  gamma = float(losses.muscle_gamma(0.2, 0.15))
+
+  def contract(anchor, others):
+    return losses.muscle_loss(anchor, others, tau=0.2, gamma=gamma, method="contract").mean()
+
+  grad = jax.value_and_grad(contract, argnums=(0, 1))
+  expected = cost.flops(grad, anchor, others) / 1e6
+  assert expected > 1.0  # millions: large enough for the printed 0.1 resolution to matter
+  printed = float(rows[16, 2].split("|")[1].split()[2])
+  assert printed == pytest.approx(expected, rel=0.05)
+  # Time ratio and FLOP ratio in brackets, for both comparisons.
+  assert re.search(r"\d+\.\dx \(\d+\.\dx\)\s+\d+\.\dx \((\d+\.\dx|-)\)", rows[16, 2])
+  assert "M=3: contraction vs the paper's protocol" in out and "FLOP ratio" in out
+
+
+def test_work_ratio_needs_exact_counts():
+  # In a subprocess: the benchmark defines absl flags that other scripts also define.
+  check = (
+    "from experiments.benchmarks import muscle_loss as b\n"
+    "assert b._work_ratio((300.0, 0.0, True), (3.0, 0.0, True)) == '100.0x'\n"
+    "assert b._work_ratio((300.0, 0.0, False), (3.0, 0.0, True)) == '-'\n"
+    "assert b._mflop((2.5e6, 0.0, False)) == '>=2.5'\n"
+    "assert b._mflop((2.5e6, 0.0, True)) == '2.5'\n"
+  )
+  done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_engine_throughput_times_every_client_map_against_the_loop():
+  out = _run(
+    "engine_throughput",
+    "--clients=2",
+    "--steps=1",
+    "--batch=2",
+    "--repeats=2",
+    "--client_maps=vmap,scan",
+    "--xla_limit=2",
+  )
+  row = re.search(r"^\s+2 \|(.*)$", out, re.M).group(1)
+  cells = [c.strip() for c in row.split("|")]
+  assert len(cells) == 4  # loop, vmap, scan, auto
+  assert all(re.fullmatch(r"[\d.]+ \([\d.]+\) [\d.]+x", c) for c in cells[1:]), cells
+  assert "XLA's native convolution" in out
+  assert re.search(r"auto \(\w+\) / loop, worst over N: [\d.]+x", out)
