@@ -26,7 +26,12 @@ state reset each round), the server averaging by sample count:
 
 Each contender runs ``--rounds`` rounds and is timed per round; the first round
 (compilation, Ray's start, actor start-up) is excluded and the median of the
-others is reported, as client-steps per second and as the engine's speed-up.
+others is reported, as client-steps per second and as the engine's speed-up. With
+``--trials=k`` the whole sequence of contenders runs k times in turn, and the
+engine's speed-up over each is the median of the k per-trial ratios: this
+machine's speed drifts by 20-30% over minutes, which a single pass attributes
+to whichever contender ran in the slow stretch.
+
 Flower's rounds are timed on the server, between the strategy's end-of-round
 callbacks (``evaluate_fn``), so they include sending the model, the clients'
 work and aggregation, as they would in a user's run. ``--flower_cpus`` is the
@@ -58,6 +63,12 @@ _CLIENTS = flags.DEFINE_list("clients", ["8", "64"], "Client counts N.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client and round.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per contender (the first is not timed).")
+_TRIALS = flags.DEFINE_integer(
+  "trials",
+  1,
+  "Times every contender runs, in turn, per N; the engine's speed-up is the median of the "
+  "per-trial ratios (this machine's speed drifts between contenders' runs).",
+)
 _FLOWER_CPUS = flags.DEFINE_float("flower_cpus", 1.0, "num_cpus per simulated Flower client.")
 _TORCH_THREADS = flags.DEFINE_list(
   "torch_threads", ["1", str(os.cpu_count())], "torch.set_num_threads values for the torch loop."
@@ -226,25 +237,30 @@ def main(argv):
   ]
   rows = {}
   for num_clients in map(int, _CLIENTS.value):
-    for name in names:
-      seconds = runners[name](num_clients, steps, batch, rounds)
-      rows[num_clients, name] = seconds
-      print(
-        f"  N={num_clients:<4} {name:<13} {seconds:8.2f} s/round  "
-        f"{num_clients * steps / seconds:8.1f} client-steps/s",
-        flush=True,
-      )
-  print("\nclient-steps per second, and the engine's speed-up over each contender")
+    for trial in range(_TRIALS.value):
+      for name in names:
+        seconds = runners[name](num_clients, steps, batch, rounds)
+        rows.setdefault((num_clients, name), []).append(seconds)
+        print(
+          f"  N={num_clients:<4} trial {trial}  {name:<13} {seconds:8.2f} s/round  "
+          f"{num_clients * steps / seconds:8.1f} client-steps/s",
+          flush=True,
+        )
+  print(
+    f"\nclient-steps per second (median of {_TRIALS.value} trial(s)), and the engine's "
+    "speed-up over each contender (median of the per-trial ratios)"
+  )
   print(f"{'N':>5} | " + " | ".join(f"{n:>22}" for n in names))
   for num_clients in map(int, _CLIENTS.value):
     cells = []
     for name in names:
-      seconds = rows[num_clients, name]
-      rate = num_clients * steps / seconds
+      seconds = np.asarray(rows[num_clients, name])
+      rate = num_clients * steps / np.median(seconds)
       if name == "engine" or "engine" not in names:
         cells.append(f"{rate:>22.1f}")
       else:
-        cells.append(f"{rate:.1f} (engine {seconds / rows[num_clients, 'engine']:.2f}x)".rjust(22))
+        speedup = np.median(seconds / np.asarray(rows[num_clients, "engine"]))
+        cells.append(f"{rate:.1f} (engine {speedup:.2f}x)".rjust(22))
     print(f"{num_clients:>5} | " + " | ".join(cells))
 
 
