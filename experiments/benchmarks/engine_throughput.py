@@ -195,20 +195,17 @@ def _cell(num_clients, steps, batch):
   for client_map in dict.fromkeys([*_MAPS.value, auto]):
     rounds[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
   times = _interleaved(rounds, _REPEATS.value)
-  if num_clients <= _XLA_LIMIT.value:
+  loop = np.asarray(times["loop"])
+  ratios = {name: float(np.median(loop / np.asarray(t))) for name, t in times.items()}
+  if num_clients <= _XLA_LIMIT.value:  # slow: once each, and not paired with the loop
     native = {
       "loop/xla": _loop("xla", num_clients, client_data, batch),
       "vmap/xla": _vmapped("xla", num_clients, client_data, batch),
     }
     rounds |= native
     times |= _interleaved(native, 1)
-  loop = np.asarray(times["loop"])
-
-  def paired(seconds):  # the native pair ran once each: no pairing with the loop
-    return float(np.median(loop / np.asarray(seconds))) if len(seconds) == len(loop) else None
-
   out = {
-    name: (statistics.median(seconds), rounds[name][1], paired(seconds))
+    name: (statistics.median(seconds), rounds[name][1], ratios.get(name))
     for name, seconds in times.items()
   }
   out["auto"] = out[auto]
