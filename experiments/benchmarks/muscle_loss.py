@@ -3,9 +3,10 @@
   python -m experiments.benchmarks.muscle_loss [--dim=256] [--repeats=5]
 
 For each (B, M) it times, jitted and after warm-up (median of ``--repeats``,
-more for fast cells), one user's loss and gradient with respect to its anchor
-and its partners' representations, server part included, at the paper's
-temperatures (tau = 0.2, gamma = 1/0.15 - 1/0.2):
+more for fast cells; the paths of a cell called in turn, so that all of them
+meet the same drift in this machine's speed), one user's loss and gradient
+with respect to its anchor and its partners' representations, server part
+included, at the paper's temperatures (tau = 0.2, gamma = 1/0.15 - 1/0.2):
 
 * contract:  ``muscle_loss(..., method="contract")``: one einsum of ``M``
   anchor-sample and ``M(M-1)/2`` sample-sample exp-domain matrices (what
@@ -88,35 +89,53 @@ def _compile(loss_fn, anchor, others):
   return compiled, temp, work
 
 
-def _time(compiled, anchor, others, repeats):
-  """Median time after warm-up: at least ``repeats`` runs, more for fast cells.
+def _time(compiled, anchor, others, quotas):
+  """Median time of each compiled path, the paths timed in turn after warm-up.
 
-  Millisecond cells are noisy on a shared CPU, so fast cells keep sampling
-  until 1 s has been spent or 50 runs.
+  Args:
+    compiled: ``{path: compiled loss-and-gradient}``.
+    anchor, others: their inputs.
+    quotas: ``{path: minimum timed runs}``.
+
+  Returns:
+    ``{path: median seconds}``.
+
+  The paths of a cell run one call each in turn, so they share the same
+  stretch of this machine's drifting speed (it moves by 20-30% within a
+  minute). Millisecond calls are noisy, so a path keeps sampling past its
+  quota until it has spent 1 s or made 50 runs.
   """
-  jax.block_until_ready(compiled(anchor, others))  # warm-up
-  times = []
-  while len(times) < repeats or (sum(times) < 1.0 and len(times) < 50):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(anchor, others))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  for fn in compiled.values():
+    jax.block_until_ready(fn(anchor, others))  # warm-up
+  times = {path: [] for path in compiled}
+
+  def wants(path):
+    t = times[path]
+    return len(t) < quotas[path] or (sum(t) < 1.0 and len(t) < 50)
+
+  while any(wants(path) for path in compiled):
+    for path, fn in compiled.items():
+      if wants(path):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(anchor, others))
+        times[path].append(time.perf_counter() - start)
+  return {path: statistics.median(t) for path, t in times.items()}
 
 
-def _run(path, batch, num_others, anchor, others, repeats):
-  """``(seconds, temp bytes, work, note)``; seconds is None when the cell is skipped."""
+def _prepare(path, batch, num_others, anchor, others, repeats):
+  """``(compiled, quota, temp bytes, work, note)``; compiled is None when the cell is skipped."""
   terms = batch ** (num_others + 1)
   if terms > _MAX_TERMS[path]:
-    return None, None, None, f"{path}: not run ({terms:.1e} terms)"
+    return None, 0, None, None, f"{path}: not run ({terms:.1e} terms)"
   if path == "paper":
     s_bytes = batch**num_others * (anchor.shape[1] + 1) * 4
     if s_bytes > _MAX_GIB.value * 2**30:
-      return None, None, None, f"paper: not run, S alone is {s_bytes / 2**30:.0f} GiB"
+      return None, 0, None, None, f"paper: not run, S alone is {s_bytes / 2**30:.0f} GiB"
   compiled, temp, work = _compile(PATHS[path], anchor, others)
   if temp is not None and temp > _MAX_GIB.value * 2**30:
-    return None, temp, work, f"{path}: not run, needs {temp / 2**30:.1f} GiB"
+    return None, 0, temp, work, f"{path}: not run, needs {temp / 2**30:.1f} GiB"
   slow = terms > 2**24
-  return _time(compiled, anchor, others, 2 if slow else repeats), temp, work, ""
+  return compiled, 2 if slow else repeats, temp, work, ""
 
 
 def _ms(seconds):
@@ -172,12 +191,13 @@ def main(argv):
       anchor = anchor / jnp.linalg.norm(anchor, axis=-1, keepdims=True)
       others = jax.random.normal(keys[1], (num_others, batch, dim))
       others = others / jnp.linalg.norm(others, axis=-1, keepdims=True)
-      cell, notes = {}, []
-      for path in PATHS:
-        seconds, temp, work, note = _run(path, batch, num_others, anchor, others, repeats)
-        cell[path] = (seconds, temp, work)
-        if note:
-          notes.append(note)
+      prepared = {
+        path: _prepare(path, batch, num_others, anchor, others, repeats) for path in PATHS
+      }
+      runnable = {path: p[0] for path, p in prepared.items() if p[0] is not None}
+      seconds = _time(runnable, anchor, others, {path: prepared[path][1] for path in runnable})
+      cell = {path: (seconds.get(path), p[2], p[3]) for path, p in prepared.items()}
+      notes = [p[4] for p in prepared.values() if p[4]]
       results[batch, num_others] = cell
       logit_range = losses.muscle_logit_range(TAU, GAMMA, num_others)
       (c, c_mem, c_w), (l, l_mem, l_w), (p, p_mem, p_w) = (
