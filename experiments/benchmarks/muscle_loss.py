@@ -100,13 +100,13 @@ def _time(compiled, anchor, others, quotas):
   Returns:
     ``{path: median seconds}``.
 
-  The paths of a cell run one call each in turn, so they share the same
-  stretch of this machine's drifting speed (it moves by 20-30% within a
-  minute). Millisecond calls are noisy, so a path keeps sampling past its
-  quota until it has spent 1 s or made 50 runs.
+  The paths of a cell take turns, so they share the same stretch of this
+  machine's drifting speed (it moves by 20-30% within a minute). In each turn
+  a path is called once untimed and then timed: the paper's protocol streams
+  tens of MiB through the caches, and a contraction timed right after it ran
+  25-40% slower than in a run of its own. Millisecond calls are noisy, so a
+  path keeps sampling past its quota until it has spent 1 s or made 50 runs.
   """
-  for fn in compiled.values():
-    jax.block_until_ready(fn(anchor, others))  # warm-up
   times = {path: [] for path in compiled}
 
   def wants(path):
@@ -116,6 +116,7 @@ def _time(compiled, anchor, others, quotas):
   while any(wants(path) for path in compiled):
     for path, fn in compiled.items():
       if wants(path):
+        jax.block_until_ready(fn(anchor, others))  # its own data back in cache
         start = time.perf_counter()
         jax.block_until_ready(fn(anchor, others))
         times[path].append(time.perf_counter() - start)
