@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from fedjax_mm.models.conv import Conv
+from fedjax_mm.models.norm import GroupNorm
 
 __all__ = ["LinearHead", "MlpHead", "SegmentationHead"]
 
@@ -74,7 +75,7 @@ class SegmentationHead(nnx.Module):
     rngs: nnx.Rngs,
   ):
     self.conv = Conv(in_features, hidden, (3, 3), use_bias=False, rngs=rngs)
-    self.norm = nnx.GroupNorm(hidden, num_groups=8 if hidden % 8 == 0 else 1, rngs=rngs)
+    self.norm = GroupNorm(hidden, num_groups=8 if hidden % 8 == 0 else 1, rngs=rngs)
     self.classify = Conv(hidden, num_outputs, (1, 1), rngs=rngs)
 
   def __call__(self, feature_map: jax.Array, out_size: tuple[int, int]) -> jax.Array:

@@ -39,6 +39,7 @@ from flax import nnx
 
 from fedjax_mm.models.conv import Conv
 from fedjax_mm.models.layers import TransformerBlock
+from fedjax_mm.models.norm import GroupNorm
 
 __all__ = [
   "Cnn",
@@ -73,7 +74,7 @@ class ConvNormAct(nnx.Module):
 
   def __init__(self, cin: int, cout: int, *, stride: int = 1, act: bool = True, rngs: nnx.Rngs):
     self.conv = Conv(cin, cout, (3, 3), strides=stride, use_bias=False, rngs=rngs)
-    self.norm = nnx.GroupNorm(cout, num_groups=_GROUPS, rngs=rngs)
+    self.norm = GroupNorm(cout, num_groups=_GROUPS, rngs=rngs)
     self.act = act
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -119,7 +120,7 @@ class BasicBlock(nnx.Module):
     if stride != 1 or cin != cout:
       self.shortcut = nnx.Sequential(
         Conv(cin, cout, (1, 1), strides=stride, use_bias=False, rngs=rngs),
-        nnx.GroupNorm(cout, num_groups=_GROUPS, rngs=rngs),
+        GroupNorm(cout, num_groups=_GROUPS, rngs=rngs),
       )
     else:
       self.shortcut = None
