@@ -88,3 +88,15 @@ def test_engine_throughput_times_every_client_map_against_the_loop():
   assert all(re.fullmatch(r"[\d.]+ \([\d.]+\) [\d.]+x", c) for c in cells[1:]), cells
   assert "XLA's native convolution" in out
   assert re.search(r"auto \(\w+\) / loop, worst over N: [\d.]+x", out)
+
+
+def test_cnn_step_times_the_zoo_against_its_alternatives():
+  out = _run("cnn_step", "--models=cnn_s", "--steps=1", "--batch=2", "--repeats=2")
+  row = re.search(r"^\s+cnn_s \|(.*)$", out, re.M).group(1)
+  cells = [c.strip() for c in row.split("|")]
+  assert len(cells) == 4  # zoo, nnx_norm, xla_conv, gradient differences
+  assert re.fullmatch(r"[\d.]+ \([\d.]+\)", cells[0]), cells
+  assert all(re.fullmatch(r"[\d.]+ \([\d.]+\) [\d.]+x", c) for c in cells[1:3]), cells
+  # The alternatives compute the same gradient, up to float32 rounding.
+  diffs = [float(d) for d in cells[3].split(",")]
+  assert len(diffs) == 2 and all(d < 1e-4 for d in diffs), diffs

@@ -1,0 +1,141 @@
+"""One client's local update of a zoo CNN against the zoo's alternatives, same run.
+
+  python -m experiments.benchmarks.cnn_step [--models=cnn_s,cnn_m,resnet_t] [--repeats=15]
+
+For each model, the jitted single-client update of the engine
+(:func:`fedjax_mm.core.local_update`: ``--steps`` Adam steps of batch
+``--batch`` on 32x32x3 images, 10-class head) is built three ways:
+
+* ``zoo``:      the model as the zoo builds it (im2col convolution on 2-D
+  rows, :class:`fedjax_mm.models.norm.GroupNorm`);
+* ``nnx_norm``: every zoo GroupNorm run as ``nnx.GroupNorm`` (the same
+  parameters; the statistics reduced over ``(H, W, C/G)`` at once);
+* ``xla_conv``: every zoo convolution run by ``lax.conv_general_dilated``.
+
+The three take turns, one update each, ``--repeats`` times after an untimed
+call, so they share this machine's drifting speed; each alternative's time
+ratio to ``zoo`` (above 1: the zoo is faster) is the median of the paired
+(same-turn) ratios. It
+also prints how far each alternative's gradient of the task loss on the first
+minibatch, at the same initial parameters, is from the zoo's (the largest
+difference over the largest entry: the three compute the same function, up
+to float rounding), and the rate in GFLOP/s (XLA's count of one step, times
+the steps).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+from fedjax_mm import core, data, models
+from fedjax_mm.core import cost
+from fedjax_mm.models.conv import Conv
+from fedjax_mm.models.norm import GroupNorm
+
+_MODELS = flags.DEFINE_list("models", ["cnn_s", "cnn_m", "resnet_t"], "Zoo encoders to time.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per update.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Minibatch size.")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed updates per contender (median).")
+
+TASK = core.Task("classification", "image", "label10", 10)
+VARIANTS = ("zoo", "nnx_norm", "xla_conv")
+
+
+def _factory(encoder, variant):
+  def make(rngs):
+    model = models.build({"encoder": encoder, "head": "linear", "num_outputs": 10}, rngs=rngs)
+    for _, module in nnx.iter_modules(model):
+      if variant == "nnx_norm" and type(module) is GroupNorm:
+        # The zoo's GroupNorm only overrides __call__: as its base class the
+        # same module (same attributes and parameters) runs nnx's own code.
+        module.__class__ = nnx.GroupNorm
+      if variant == "xla_conv" and isinstance(module, Conv):
+        module.impl = "xla"
+    return model
+
+  return make
+
+
+def _update(encoder, variant, client_data):
+  """``(update, args, FLOPs of one update, gradient on the first minibatch)``."""
+  group, state = core.init_group(
+    _factory(encoder, variant),
+    name=f"{encoder}/{variant}",
+    tx=optax.adam(1e-3),
+    task=TASK,
+    key=jax.random.key(0),
+    num_clients=1,
+    batch_size=_BATCH.value,
+  )
+  objective = core.supervised_objective(group, state.shared)
+  update = jax.jit(
+    lambda p, o, r, a, m: core.local_update(
+      objective, group.tx, p, o, r, a, m, num_epochs=1, batch_size=_BATCH.value
+    )[0]
+  )
+  per = (state.params, state.opt_state, state.rng, client_data.arrays, client_data.sample_mask)
+  args = jax.tree.map(lambda x: x[0], per)
+  params, _, _, arrays, sample_mask = args
+  first = {key: x[: _BATCH.value] for key, x in arrays.items()}
+  grad = jax.jit(
+    jax.grad(lambda p: objective(p, first, sample_mask[: _BATCH.value], jax.random.key(0))[0])
+  )
+  # XLA's cost analysis counts the body of the update's scan over steps once.
+  return update, args, cost.flops(update, *args) * _STEPS.value, grad(params)
+
+
+def _relative_difference(tree, reference):
+  """``max |tree - reference| / max |reference|`` over all leaves."""
+  pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True)
+  diffs, scales = zip(*((np.max(np.abs(a - b)), np.max(np.abs(b))) for a, b in pairs), strict=True)
+  return float(max(diffs) / max(scales))
+
+
+def main(argv):
+  del argv
+  steps, batch = _STEPS.value, _BATCH.value
+  world = data.generate(0, steps * batch)
+  stacked, mask = data.stack_clients(data.split_clients(world, [np.arange(steps * batch)]))
+  client_data = core.make_client_data(stacked, mask, user_ids=np.arange(1))
+  print(
+    f"one client's update: {steps} Adam steps of batch {batch}, 32x32x3 images, "
+    f"device={jax.devices()[0].device_kind}; client-steps/s of the median update "
+    "(GFLOP/s), and each alternative's time over the zoo's (median of the paired ratios)"
+  )
+  header = (
+    f"{'model':>9} | "
+    + " | ".join(f"{v:>26}" for v in VARIANTS)
+    + " | gradient vs zoo's: nnx_norm, xla_conv"
+  )
+  print(header)
+  print("-" * len(header))
+  for encoder in _MODELS.value:
+    built = {v: _update(encoder, v, client_data) for v in VARIANTS}
+    diffs = [_relative_difference(built[v][3], built["zoo"][3]) for v in VARIANTS[1:]]
+    times = {v: [] for v in VARIANTS}
+    for _ in range(_REPEATS.value):
+      for v, (fn, args, _, _) in built.items():
+        jax.block_until_ready(fn(*args))  # its own data back in cache
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times[v].append(time.perf_counter() - start)
+    zoo = np.asarray(times["zoo"])
+    cells = []
+    for v in VARIANTS:
+      seconds = statistics.median(times[v])
+      rate = f"{steps / seconds:.1f} ({built[v][2] / seconds / 1e9:.1f})"
+      if v != "zoo":
+        rate += f" {float(np.median(np.asarray(times[v]) / zoo)):.2f}x"
+      cells.append(f"{rate:>26}")
+    print(f"{encoder:>9} | " + " | ".join(cells) + " | " + ", ".join(f"{d:.1e}" for d in diffs))
+
+
+if __name__ == "__main__":
+  app.run(main)
