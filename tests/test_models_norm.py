@@ -37,6 +37,7 @@ def _grads(module, x, probe):
     ((3, 4, 4, 16), 1, {}),
     ((2, 3, 5, 16), 16, {}),
     ((2, 7, 12), 3, {}),  # [b, L, C]
+    ((4, 12), 3, {}),  # [b, C]: statistics over each group's channels only
     ((2, 5, 6, 8), 2, {"use_scale": False}),
     ((2, 5, 6, 8), 2, {"use_bias": False}),
     ((2, 5, 6, 8), 4, {"use_scale": False, "use_bias": False, "epsilon": 1e-3}),
