@@ -59,6 +59,35 @@ def test_muscle_loss_prints_xla_flop_counts_and_ratios():
   assert "M=3: contraction vs the paper's protocol" in out and "FLOP ratio" in out
 
 
+def test_muscle_loss_user_form_is_the_split_protocols_work():
+  # --grad=user times what FedMuscle's round computes: the server's targets forward
+  # only, then the user's gradient w.r.t. its own representation.
+  out = _run(
+    "muscle_loss", "--batches=16", "--max_partners=2", "--dim=256", "--repeats=1", "--grad=user"
+  )
+  assert "anchor only" in out
+  row = re.search(r"^\s*16\s+2\s+[\d.]+ \|.*$", out, re.M).group(0)
+  keys = jax.random.split(jax.random.key(42), 2)
+  anchor = _unit(jax.random.normal(keys[0], (16, 256)))
+  others = _unit(jax.random.normal(keys[1], (2, 16, 256)))
+  gamma = float(losses.muscle_gamma(0.2, 0.15))
+  logit_range = losses.muscle_logit_range(0.2, gamma, 2)
+
+  def split(anchor, others):
+    targets = losses.muscle_server_targets(others, tau=0.2, gamma=gamma)
+    user = lambda z: losses.muscle_client_loss(z, targets, logit_range=logit_range).mean()
+    return jax.value_and_grad(user)(anchor)
+
+  def everything(anchor, others):
+    return losses.muscle_loss(anchor, others, tau=0.2, gamma=gamma, method="contract").mean()
+
+  expected = cost.flops(split, anchor, others) / 1e6
+  printed = float(row.split("|")[1].split()[2])
+  assert printed == pytest.approx(expected, rel=0.05)
+  # Dropping the partners' gradient removes work: well below the default form's count.
+  assert expected < 0.8 * cost.flops(jax.value_and_grad(everything, (0, 1)), anchor, others) / 1e6
+
+
 def test_work_ratio_needs_exact_counts():
   # In a subprocess: the benchmark defines absl flags that other scripts also define.
   check = (

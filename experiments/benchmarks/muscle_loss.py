@@ -1,12 +1,17 @@
 """Muscle loss: the exp-domain contraction, the log-domain tensor and the paper's protocol.
 
-  python -m experiments.benchmarks.muscle_loss [--dim=256] [--repeats=5]
+  python -m experiments.benchmarks.muscle_loss [--dim=256] [--repeats=5] [--grad=all|user]
 
 For each (B, M) it times, jitted and after warm-up (median of ``--repeats``,
 more for fast cells; the paths of a cell called in turn, so that all of them
-meet the same drift in this machine's speed), one user's loss and gradient
-with respect to its anchor and its partners' representations, server part
-included, at the paper's temperatures (tau = 0.2, gamma = 1/0.15 - 1/0.2):
+meet the same drift in this machine's speed), one user's loss and gradient,
+server part included, at the paper's temperatures (tau = 0.2, gamma = 1/0.15 -
+1/0.2). ``--grad=all`` (the default) differentiates with respect to the anchor
+and the partners' representations, as a caller of the pure loss might;
+``--grad=user`` does what FedMuscle's round does
+(``algorithms.fedmuscle.user_gradients``): the server's half runs forward on
+the partners' matrices as constants, and the user differentiates only with
+respect to its own representation.
 
 * contract:  ``muscle_loss(..., method="contract")``: one einsum of ``M``
   anchor-sample and ``M(M-1)/2`` sample-sample exp-domain matrices (what
@@ -48,6 +53,13 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Minimum timed runs per cell (medi
 _MAX_GIB = flags.DEFINE_float("max_gib", 8.0, "Skip cells whose compiled temporaries exceed this.")
 _BATCHES = flags.DEFINE_list("batches", ["32", "64", "128"], "Batch sizes B.")
 _MAX_M = flags.DEFINE_integer("max_partners", 5, "Largest M.")
+_GRAD = flags.DEFINE_enum(
+  "grad",
+  "all",
+  ["all", "user"],
+  "all: gradient w.r.t. the anchor and the partners; user: w.r.t. the anchor only, the "
+  "partners' matrices constants (what FedMuscle's round computes).",
+)
 #: Largest number of tuple terms B^(M+1) each path is run at (beyond: seconds per call).
 _MAX_TERMS = {"contract": 2**31, "logsumexp": 2**28, "paper": 2**28}
 TAU, GAMMA = 0.2, float(losses.muscle_gamma(0.2, 0.15))
@@ -68,7 +80,15 @@ def _paper(anchor, others):
 PATHS = {"contract": _loss("contract"), "logsumexp": _loss("logsumexp"), "paper": _paper}
 
 
-def _compile(loss_fn, anchor, others):
+def _loss_and_grad(loss_fn, grad):
+  """The loss and its gradient in one of the ``--grad`` forms."""
+  if grad == "all":
+    return jax.value_and_grad(loss_fn, argnums=(0, 1))
+  # The partners' matrices are what the server received: constants to the user.
+  return jax.value_and_grad(lambda anchor, others: loss_fn(anchor, jax.lax.stop_gradient(others)))
+
+
+def _compile(loss_fn, anchor, others, grad="all"):
   """``(compiled, temporary bytes, work)`` of the loss and its gradient.
 
   ``work`` is ``(FLOPs, transcendentals, exact)`` from XLA's cost analysis.
@@ -76,8 +96,7 @@ def _compile(loss_fn, anchor, others):
   loops (anchors streamed in chunks) the counts are lower bounds and
   ``exact`` is False.
   """
-  grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
-  compiled = jax.jit(grad).lower(anchor, others).compile()
+  compiled = jax.jit(_loss_and_grad(loss_fn, grad)).lower(anchor, others).compile()
   stats = compiled.memory_analysis()
   temp = None if stats is None else stats.temp_size_in_bytes
   analysis = compiled.cost_analysis()
@@ -132,7 +151,7 @@ def _prepare(path, batch, num_others, anchor, others, repeats):
     s_bytes = batch**num_others * (anchor.shape[1] + 1) * 4
     if s_bytes > _MAX_GIB.value * 2**30:
       return None, 0, None, None, f"paper: not run, S alone is {s_bytes / 2**30:.0f} GiB"
-  compiled, temp, work = _compile(PATHS[path], anchor, others)
+  compiled, temp, work = _compile(PATHS[path], anchor, others, _GRAD.value)
   if temp is not None and temp > _MAX_GIB.value * 2**30:
     return None, 0, temp, work, f"{path}: not run, needs {temp / 2**30:.1f} GiB"
   slow = terms > 2**24
@@ -169,8 +188,9 @@ def _work_ratio(slow, fast):
 def main(argv):
   del argv
   dim, repeats = _DIM.value, _REPEATS.value
+  wrt = "anchor and partners" if _GRAD.value == "all" else "anchor only, as FedMuscle's round"
   print(
-    f"Muscle loss + gradient (anchor and partners) for one user, d={dim}, tau={TAU}, "
+    f"Muscle loss + gradient ({wrt}) for one user, d={dim}, tau={TAU}, "
     f"gamma={GAMMA:.4f}, device={jax.devices()[0].device_kind}"
   )
   print(
