@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from fedjax_mm import losses
+from fedjax_mm.algorithms import fedmuscle
 from fedjax_mm.core import cost
 
 
@@ -59,7 +60,7 @@ def test_muscle_loss_prints_xla_flop_counts_and_ratios():
   assert "M=3: contraction vs the paper's protocol" in out and "FLOP ratio" in out
 
 
-def test_muscle_loss_user_form_is_the_split_protocols_work():
+def test_muscle_loss_user_form_is_the_fedmuscle_rounds_work():
   # --grad=user times what FedMuscle's round computes: the server's targets forward
   # only, then the user's gradient w.r.t. its own representation.
   out = _run(
@@ -71,17 +72,16 @@ def test_muscle_loss_user_form_is_the_split_protocols_work():
   anchor = _unit(jax.random.normal(keys[0], (16, 256)))
   others = _unit(jax.random.normal(keys[1], (2, 16, 256)))
   gamma = float(losses.muscle_gamma(0.2, 0.15))
-  logit_range = losses.muscle_logit_range(0.2, gamma, 2)
-
-  def split(anchor, others):
-    targets = losses.muscle_server_targets(others, tau=0.2, gamma=gamma)
-    user = lambda z: losses.muscle_client_loss(z, targets, logit_range=logit_range).mean()
-    return jax.value_and_grad(user)(anchor)
+  # FedMuscle's own per-user step, for 3 users whose partners are the 2 others.
+  config = fedmuscle.MuscleConfig(num_partners=2, batch_size=16, tau_full=0.2, tau_reduced=0.15)
+  users = jnp.concatenate([anchor[None], others])
+  partners = jnp.array([[1, 2], [0, 2], [0, 1]])
+  round_step = lambda z, p: fedmuscle.user_gradients(config, z, p)
 
   def everything(anchor, others):
     return losses.muscle_loss(anchor, others, tau=0.2, gamma=gamma, method="contract").mean()
 
-  expected = cost.flops(split, anchor, others) / 1e6
+  expected = cost.flops(round_step, users, partners) / 3 / 1e6
   printed = float(row.split("|")[1].split()[2])
   assert printed == pytest.approx(expected, rel=0.05)
   # Dropping the partners' gradient removes work: well below the default form's count.
