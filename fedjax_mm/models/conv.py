@@ -16,22 +16,22 @@ channel axis and multiplied by the kernel reshaped to ``[kh*kw*C_in, C_out]``.
 A matrix product batches into a batched ``dot_general``, which XLA runs at
 dense speed on every backend, so the vmapped convolution costs what the loop
 costs (tested equal to ``lax.conv_general_dilated`` in
-``tests/test_models_conv.py``). ``impl="xla"`` keeps the native convolution, which
-is the better choice for un-vmapped code on accelerators.
+``tests/test_models_conv.py``). ``impl="xla"`` keeps the native convolution,
+which is the better choice for un-vmapped code on accelerators.
 
-On accelerators the input is passed through ``lax.optimization_barrier`` before
-its views are taken, so XLA materialises it once instead of fusing its producer (the
-previous layer's GroupNorm and ReLU, or the input's cast to the compute dtype)
-into the copy of every view and into that copy's gradient. On an NVIDIA H200,
-512 vmapped ``cnn_s`` clients (10 steps of batch 8), the round ran 1.22x
-faster in float32 and 1.08x in bfloat16, paired in one process: the patch
-copies and their gradients had been half of the round's GPU time, writing the
-patches at about a ninth of the memory bandwidth. Values and gradients are bit
-for bit the same. XLA:CPU gains nothing from it (64 clients on a 2-core CPU:
-the default scan engine equally fast, the loop over clients 2% slower, paired),
-so on a CPU there is no barrier. Two other forms measured on the GPU lost to
-this one and were not kept: views stacked on a new axis before
-the channels, and the first layer's patches built by
+On accelerators the input is passed through ``lax.optimization_barrier``
+before its views are taken, so XLA materialises it once instead of fusing its
+producer (the previous layer's GroupNorm and ReLU, or the input's cast to the
+compute dtype) into the copy of every view and into that copy's gradient. On
+an NVIDIA H200, 512 vmapped ``cnn_s`` clients (10 steps of batch 8), the round
+ran 1.22x faster in float32 and 1.08x in bfloat16, paired in one process: the
+patch copies and their gradients had been half of the round's GPU time,
+writing the patches at about a ninth of the memory bandwidth. Values and
+gradients are bit for bit the same. XLA:CPU gains nothing from it (64 clients
+on a 2-core CPU: the default scan engine equally fast, the loop over clients
+2% slower, paired), so on a CPU there is no barrier. Two other forms measured
+on the GPU lost to this one and were not kept: views stacked on a new axis
+before the channels, and the first layer's patches built by
 ``lax.conv_general_dilated_patches`` (cuDNN's one-hot convolution was slower
 than the copy it replaced). Placing the barrier after the padding instead ran
 1.04x faster in bfloat16 in the same process; it was not measured in float32,
