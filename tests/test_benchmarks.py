@@ -123,9 +123,12 @@ def test_cnn_step_times_the_zoo_against_its_alternatives():
   out = _run("cnn_step", "--models=cnn_s", "--steps=1", "--batch=2", "--repeats=2")
   row = re.search(r"^\s+cnn_s \|(.*)$", out, re.M).group(1)
   cells = [c.strip() for c in row.split("|")]
-  assert len(cells) == 4  # zoo, nnx_norm, xla_conv, gradient differences
+  assert len(cells) == 5  # zoo, nnx_norm, xla_conv, gradient differences, products alone
   assert re.fullmatch(r"[\d.]+ \([\d.]+\)", cells[0]), cells
   assert all(re.fullmatch(r"[\d.]+ \([\d.]+\) [\d.]+x", c) for c in cells[1:3]), cells
   # The alternatives compute the same gradient, up to float32 rounding.
   diffs = [float(d) for d in cells[3].split(",")]
   assert len(diffs) == 2 and all(d < 1e-4 for d in diffs), diffs
+  # The step's products timed alone: a ratio, then the two times it divides (per step).
+  ratio, products, step = re.fullmatch(r"([\d.]+) \(([\d.]+) of ([\d.]+) ms\)", cells[4]).groups()
+  assert float(products) > 0 and float(step) > 0 and float(ratio) > 0

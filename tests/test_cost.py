@@ -1,6 +1,7 @@
 """FLOPs from XLA's cost analysis: what is counted, and each method's split users / server."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm.algorithms import fedmuscle
-from fedjax_mm.core.cost import flops
+from fedjax_mm.core.cost import flops, matrix_products
 from fedjax_mm.runner import cost
 from fedjax_mm.runner import fedmuscle as runner
 
@@ -70,3 +71,44 @@ def test_method_costs_split_users_and_server():
   assert costs["sage"].server == 0 and costs["cofed"].server > 0
   for m in ("sage", "cofed"):
     assert all(a > loc for a, loc in zip(costs[m].users, local.users, strict=True)), m
+
+
+def test_matrix_products_lists_a_scan_bodys_products_once_with_their_gradients():
+  # One product in a 5-step scan, differentiated with respect to the matrix: the forward
+  # product, and in the backward scan the kernel's and the carried input's gradients.
+  a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  w = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+
+  def loss(w, a):
+    return jax.lax.scan(lambda x, _: (jnp.tanh(x @ w) @ w.T, None), a, None, length=5)[0].sum()
+
+  found = matrix_products(jax.grad(loss), w, a)
+  shapes = sorted((p["lhs"].shape, p["rhs"].shape, p["dimension_numbers"][0]) for p in found)
+  # Forward: x @ w and y @ w.T; backward: two products per forward product (w's gradient
+  # and x's), all read once although each runs 5 times.
+  assert len(found) == 6
+  assert ((8, 16), (16, 4), ((1,), (0,))) in shapes  # x @ w
+  assert all(p["lhs"].dtype == jnp.float32 for p in found)
+
+  # The products listed account for XLA's count of the same function but its elementwise
+  # work (tanh and its derivative, the sum: 263 FLOPs), which is less than half of the
+  # smallest product (1,024): one product missing, or one too many, would fail this.
+  def product_flops(p):
+    (contracted, _), _ = p["dimension_numbers"]
+    out = jax.eval_shape(
+      lambda lhs, rhs: jax.lax.dot_general(lhs, rhs, p["dimension_numbers"]), p["lhs"], p["rhs"]
+    )
+    return 2 * math.prod(out.shape) * math.prod(p["lhs"].shape[i] for i in contracted)
+
+  listed = sum(product_flops(p) for p in found)
+  assert listed == 6 * 2 * 8 * 16 * 4
+  assert listed <= flops(jax.grad(loss), w, a) < listed + 8 * 16 * 4
+
+
+def test_matrix_products_enters_jit_and_custom_jvp():
+  inner = jax.jit(lambda a, b: a @ b)
+  relu = jax.nn.relu  # a custom_jvp in jax.nn
+  fn = lambda a, b: relu(inner(a, b)) @ b.T
+  a, b = jnp.ones((3, 5)), jnp.ones((5, 7))
+  shapes = [(p["lhs"].shape, p["rhs"].shape) for p in matrix_products(fn, a, b)]
+  assert shapes == [((3, 5), (5, 7)), ((3, 7), (7, 5))]

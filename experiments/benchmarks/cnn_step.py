@@ -21,10 +21,24 @@ minibatch, at the same initial parameters, is from the zoo's (the largest
 difference over the largest entry: the three compute the same function, up
 to float rounding), and the rate in GFLOP/s (XLA's count of one step, times
 the steps).
+
+The last column is the share of the zoo's step that its matrix products take
+when each runs alone: the products of one step
+(:func:`fedjax_mm.core.cost.matrix_products`: the forward products, and the
+backward ones for the kernels' gradients and for the inputs of every layer but
+the first), each timed as a jitted ``lax.dot_general`` on random operands of its
+shape (``--product_calls`` calls in a row, the mean; the smallest are timed
+with their dispatch), summed, and divided by the zoo's time per step in the
+same turn (median over the turns). What is left, up to 1.0, is everything else
+(the im2col copies, the normalisation, the activations, the optimiser) and any
+slow-down of the products inside the step. It is not a floor: XLA:CPU runs
+independent operations of the step at the same time, so on several cores the
+step can overlap products that this column times one after another.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -43,6 +57,12 @@ _MODELS = flags.DEFINE_list("models", ["cnn_s", "cnn_m", "resnet_t"], "Zoo encod
 _STEPS = flags.DEFINE_integer("steps", 10, "Local steps per update.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Minibatch size.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed updates per contender (median).")
+_PRODUCT_CALLS = flags.DEFINE_integer(
+  "product_calls",
+  20,
+  "Calls of each matrix product timed alone, per turn (the mean).",
+  lower_bound=1,
+)
 
 TASK = core.Task("classification", "image", "label10", 10)
 VARIANTS = ("zoo", "nnx_norm", "xla_conv")
@@ -91,6 +111,44 @@ def _update(encoder, variant, client_data):
   return update, args, cost.flops(update, *args) * _STEPS.value, grad(params)
 
 
+def _products_alone(update, args):
+  """A callable returning the seconds of one step's matrix products, each timed alone."""
+  counts, operands = {}, {}
+  key = jax.random.key(0)
+  for product in cost.matrix_products(update, *args):
+    lhs, rhs = product["lhs"], product["rhs"]
+    signature = (lhs.shape, str(lhs.dtype), rhs.shape, str(rhs.dtype), product["dimension_numbers"])
+    counts[signature] = counts.get(signature, 0) + 1
+    if signature not in operands:
+      key, left, right = jax.random.split(key, 3)
+      dot = jax.jit(
+        functools.partial(
+          jax.lax.dot_general,
+          dimension_numbers=product["dimension_numbers"],
+          precision=product["precision"],
+          preferred_element_type=product["preferred_element_type"],
+        )
+      )
+      operands[signature] = (
+        dot,
+        jax.random.normal(left, lhs.shape, lhs.dtype),
+        jax.random.normal(right, rhs.shape, rhs.dtype),
+      )
+
+  def seconds():
+    total = 0.0
+    for signature, (dot, lhs, rhs) in operands.items():
+      jax.block_until_ready(dot(lhs, rhs))  # compiled, operands in cache
+      start = time.perf_counter()
+      for _ in range(_PRODUCT_CALLS.value):
+        out = dot(lhs, rhs)
+      jax.block_until_ready(out)
+      total += counts[signature] * (time.perf_counter() - start) / _PRODUCT_CALLS.value
+    return total
+
+  return seconds
+
+
 def _relative_difference(tree, reference):
   """``max |tree - reference| / max |reference|`` over all leaves."""
   pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True)
@@ -113,19 +171,23 @@ def main(argv):
     f"{'model':>9} | "
     + " | ".join(f"{v:>26}" for v in VARIANTS)
     + " | gradient vs zoo's: nnx_norm, xla_conv"
+    + " | products alone / zoo step"
   )
   print(header)
   print("-" * len(header))
   for encoder in _MODELS.value:
     built = {v: _update(encoder, v, client_data) for v in VARIANTS}
     diffs = [_relative_difference(built[v][3], built["zoo"][3]) for v in VARIANTS[1:]]
+    products = _products_alone(*built["zoo"][:2])
     times = {v: [] for v in VARIANTS}
+    alone = []
     for _ in range(_REPEATS.value):
       for v, (fn, args, _, _) in built.items():
         jax.block_until_ready(fn(*args))  # its own data back in cache
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times[v].append(time.perf_counter() - start)
+      alone.append(products())
     zoo = np.asarray(times["zoo"])
     cells = []
     for v in VARIANTS:
@@ -134,7 +196,19 @@ def main(argv):
       if v != "zoo":
         rate += f" {float(np.median(np.asarray(times[v]) / zoo)):.2f}x"
       cells.append(f"{rate:>26}")
-    print(f"{encoder:>9} | " + " | ".join(cells) + " | " + ", ".join(f"{d:.1e}" for d in diffs))
+    step = statistics.median(times["zoo"]) / steps
+    share = (
+      f"{float(np.median(np.asarray(alone) * steps / zoo)):.2f} "
+      f"({statistics.median(alone) * 1e3:.2f} of {step * 1e3:.2f} ms)"
+    )
+    print(
+      f"{encoder:>9} | "
+      + " | ".join(cells)
+      + " | "
+      + ", ".join(f"{d:.1e}" for d in diffs)
+      + " | "
+      + share
+    )
 
 
 if __name__ == "__main__":

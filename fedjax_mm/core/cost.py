@@ -55,3 +55,46 @@ def flops(fn: Callable[..., Any], *args: Any) -> float:
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else None
   return float((analysis or {}).get("flops", 0.0))
+
+
+def matrix_products(fn: Callable[..., Any], *args: Any) -> list[dict[str, Any]]:
+  """The matrix products (``dot_general``) in the jaxpr of ``fn(*args)``, loop bodies once.
+
+  What a benchmark needs to time each product alone (for instance to bound how
+  fast a step could be if nothing but its products cost): each entry holds
+  ``lhs`` and ``rhs`` (``jax.ShapeDtypeStruct``), ``dimension_numbers``,
+  ``precision`` and ``preferred_element_type``, the parameters of
+  ``jax.lax.dot_general``. Like :func:`flops`, the body of a scan or loop is
+  read once, and every nested jaxpr (``jit``, ``custom_jvp``, a ``cond``'s
+  branches) is entered. The products are those of the traced program, before
+  XLA's optimisations: XLA may still fuse, merge or drop some.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> [(p["lhs"].shape, p["rhs"].shape) for p in matrix_products(jnp.matmul,
+    ...   jnp.ones((8, 16)), jnp.ones((16, 4)))]
+    [((8, 16), (16, 4))]
+  """
+  found: list[dict[str, Any]] = []
+
+  def visit(jaxpr: Any) -> None:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        lhs, rhs = (jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars)
+        found.append(
+          {
+            "lhs": lhs,
+            "rhs": rhs,
+            "dimension_numbers": eqn.params["dimension_numbers"],
+            "precision": eqn.params.get("precision"),
+            "preferred_element_type": eqn.params.get("preferred_element_type"),
+          }
+        )
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+          if hasattr(sub, "eqns"):
+            visit(sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
