@@ -110,7 +110,9 @@ def test_engine_throughput_times_every_client_map_against_the_loop():
     "--repeats=2",
     "--client_maps=vmap,scan",
     "--xla_limit=2",
+    "--devices=2",
   )
+  assert "the engine on 2 of 2 devices" in out and "client_map='auto' is 'scan'" in out
   row = re.search(r"^\s+2 \|(.*)$", out, re.M).group(1)
   cells = [c.strip() for c in row.split("|")]
   assert len(cells) == 4  # loop, vmap, scan, auto

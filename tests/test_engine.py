@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from engine_toys import TASK, client_arrays, make_group
+from jax.sharding import PartitionSpec as P
 
 from fedjax_mm import algorithms, core, server
 
@@ -114,8 +115,13 @@ def test_every_client_map_equals_vmap(client_map):
 
 
 def test_client_map_auto_and_bad_specs():
-  # Several (fake) CPU devices here: the client axis may be sharded, so vmap.
+  # Several (fake) CPU devices and no mesh in context: the compiler may shard the
+  # client axis, where a loop would run whole on every device, so vmap.
   assert core.resolve_client_map("auto") == "vmap"
+  # With a clients mesh in context, a loop per device: scan on the CPU.
+  with jax.set_mesh(core.client_mesh()):
+    assert core.resolve_client_map("auto") == "scan"
+    assert core.client.context_clients() == 8
   assert core.resolve_client_map("map:4") == "map:4"
   for bad in ("map:0", "map:", "pmap", "map:x", ""):
     with pytest.raises(ValueError, match="client_map"):
@@ -153,6 +159,71 @@ def test_sharded_round_equals_unsharded():
   leaf = jax.tree.leaves(got.groups[0].params)[0]
   assert leaf.sharding.spec[0] == "clients" and len(leaf.sharding.device_set) == 8
   chex.assert_trees_all_close(got.groups[0].params, expected.groups[0].params, rtol=1e-5, atol=1e-6)
+
+
+def _primitives(jaxpr, name):
+  """Every equation named ``name`` in ``jaxpr`` and the jaxprs nested in it."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      found.append(eqn)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          found += _primitives(sub, name)
+  return found
+
+
+@pytest.mark.parametrize("client_map", ["scan", "map:3", "auto"])
+def test_a_loop_over_clients_runs_on_each_device_over_its_own_clients(client_map):
+  """Under jit_round, a compiled loop over clients is split over the mesh.
+
+  8 clients on 2 devices: one shard_map over ``clients``, inside it a loop over
+  each device's 4 clients (not all 8 on every device), and the round equals the
+  unsharded one.
+  """
+  sizes = (3, 7, 2, 9, 4, 6, 5, 8)
+  group, state = make_group(len(sizes))
+  group = dataclasses.replace(group, client_map=client_map)
+  data = _data(sizes)
+  alg = algorithms.fedavg([group], clients_per_round=5)
+  fed_state = alg.init([state], jax.random.key(1))
+  expected, expected_stats = jax.jit(alg.round)(fed_state, [data])
+
+  mesh = core.client_mesh(2)
+  sharded_state = fed_state.place(mesh)
+  sharded_data = [data.place(mesh)]
+  round_fn = core.jit_round(alg.round, sharded_state, donate=False)
+  jaxpr = round_fn.trace(sharded_state, sharded_data).jaxpr.jaxpr
+  (shard_map,) = _primitives(jaxpr, "shard_map")
+  loops = _primitives(shard_map.params["jaxpr"], "scan")
+  per_device = 4 if client_map != "map:3" else 1  # map:3: one chunk of 3, then the 4th
+  assert loops[0].params["length"] == per_device
+  got, stats = round_fn(sharded_state, sharded_data)
+  chex.assert_trees_all_close(got.groups[0].params, expected.groups[0].params, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(stats["tiny"]["loss"], expected_stats["tiny"]["loss"], rtol=1e-5)
+  assert stats["tiny"]["steps"].tolist() == expected_stats["tiny"]["steps"].tolist()
+
+
+def test_a_sharded_loop_needs_a_padded_group_and_one_mesh():
+  fn = lambda x: x + 1
+  with jax.set_mesh(core.client_mesh()):
+    with pytest.raises(ValueError, match="5 clients do not split over the 8 devices"):
+      jax.jit(lambda x: core.map_clients(fn, (x,), "scan"))(jnp.zeros((5, 2)))
+    # Nested in a shard_map over clients, the axis is this device's: a plain loop.
+    inner = jax.shard_map(
+      lambda x: core.map_clients(lambda v: v * core.client.context_clients(), (x,), "scan"),
+      in_specs=P("clients"),
+      out_specs=P("clients"),
+    )
+    assert jax.jit(inner)(jnp.ones((8, 2))).tolist() == [[1.0, 1.0]] * 8
+  state = {
+    "a": core.shard_clients(jnp.zeros((8,)), core.client_mesh()),
+    "b": core.shard_clients(jnp.zeros((8,)), core.client_mesh(2)),
+  }
+  with pytest.raises(ValueError, match="2 different meshes"):
+    core.jit_round(lambda s: (s, {}), state)
 
 
 def test_group_is_padded_to_the_mesh():

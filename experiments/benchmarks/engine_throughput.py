@@ -1,7 +1,7 @@
 """Client engine throughput: one vmapped round vs a Python loop over clients.
 
   python -m experiments.benchmarks.engine_throughput [--clients=8,64,512] [--steps=10]
-      [--compute_dtype=bfloat16]
+      [--compute_dtype=bfloat16] [--devices=2]
 
 N clients of a small CNN (``cnn_s``, d=64, linear 10-class head) on the embedded
 world, each with ``steps * batch`` samples, so one local epoch is ``steps``
@@ -12,6 +12,13 @@ minibatch steps. Every contender runs the same single-client function
   map (``--client_maps``: ``vmap``, ``scan``, ``map:<k>``) and for ``auto``,
   the form :func:`fedjax_mm.core.resolve_client_map` picks on this backend;
 * loop:   the jitted single-client update called once per client from Python.
+
+The engine's rounds run on a ``clients`` mesh over ``--devices`` devices
+(:func:`fedjax_mm.core.jit_round`), the loop on the first. On the CPU,
+``--devices=D`` makes D XLA host devices, and a compiled loop over clients
+(``scan``, ``map:<k>``, ``auto``) then runs as one loop per device over its own
+clients, the devices at the same time (``vmap`` is split over them by the
+compiler).
 
 Both are timed with the zoo's convolution (``models.conv``: im2col, the
 default) and, for N <= ``--xla_limit``, with XLA's native convolution, which
@@ -52,6 +59,14 @@ _XLA_LIMIT = flags.DEFINE_integer(
   "xla_limit",
   8,
   "Time the native-convolution contenders (one timed run each: they are slow) up to this N.",
+)
+_DEVICES = flags.DEFINE_integer(
+  "devices",
+  1,
+  "Devices the engine's rounds run on (a `clients` mesh; the loop runs on the first). On the "
+  "CPU, this many XLA host devices are made (jax_num_cpu_devices): one compiled loop over "
+  "its clients per device, at the same time. Every N must be a multiple.",
+  lower_bound=1,
 )
 
 _COMPUTE_DTYPE = flags.DEFINE_enum(
@@ -96,11 +111,28 @@ def _model(conv_impl):
   return make
 
 
+def _mesh():
+  """The engine's ``clients`` mesh: the first ``--devices`` devices."""
+  return core.client_mesh(_DEVICES.value)
+
+
+def _auto():
+  """What ``client_map="auto"`` runs on the engine's mesh."""
+  with jax.set_mesh(_mesh()):
+    return core.resolve_client_map("auto")
+
+
 def _vmapped(impl, num_clients, client_data, batch, client_map="vmap"):
-  """(round, FLOPs, 1): a callable running one engine round with the given client map."""
+  """(round, FLOPs, 1): a callable running one engine round with the given client map.
+
+  The round runs on the engine's mesh (:func:`_mesh`), its clients split over
+  the mesh's devices, through :func:`fedjax_mm.core.jit_round`.
+  """
   group, state = _group(impl, num_clients, batch, client_map)
-  vmapped = jax.jit(lambda s, d: core.train_group(group, s, d)[0].params)
-  return (lambda: vmapped(state, client_data)), cost.flops(vmapped, state, client_data), 1.0
+  mesh = _mesh()
+  state, client_data = state.place(mesh), client_data.place(mesh)
+  vmapped = core.jit_round(lambda s, d: core.train_group(group, s, d), state, donate=False)
+  return (lambda: vmapped(state, client_data)[0].params), None, 1.0
 
 
 def _loop(impl, num_clients, client_data, batch):
@@ -190,7 +222,7 @@ def _cell(num_clients, steps, batch):
   stacked, mask = data.stack_clients(data.split_clients(world, parts))
   client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
   looped = min(num_clients, _LOOP_LIMIT.value)
-  auto = core.resolve_client_map("auto")
+  auto = _auto()
   rounds = {"loop": _loop("im2col", num_clients, client_data, batch)}
   for client_map in dict.fromkeys([*_MAPS.value, auto]):
     rounds[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
@@ -215,12 +247,20 @@ def _cell(num_clients, steps, batch):
 def main(argv):
   del argv
   steps, batch = _STEPS.value, _BATCH.value
+  if _DEVICES.value > 1:  # before anything initialises the backend
+    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+  if jax.device_count() < _DEVICES.value:
+    raise app.UsageError(f"--devices={_DEVICES.value}, but {jax.device_count()} are available.")
+  uneven = [n for n in map(int, _CLIENTS.value) if n % _DEVICES.value]
+  if uneven:
+    raise app.UsageError(f"--clients {uneven} do not split over --devices={_DEVICES.value}.")
   device = jax.devices()[0]
   peak = _matmul_gflops(_REPEATS.value)
-  auto = core.resolve_client_map("auto")
+  auto = _auto()
   print(
     f"cnn_s clients, {steps} local steps of batch {batch}, "
-    f"device={device.device_kind} x{jax.device_count()}; compute in {_COMPUTE_DTYPE.value}; "
+    f"device={device.device_kind}; the engine on {_DEVICES.value} of {jax.device_count()} "
+    f"devices, the loop on one; compute in {_COMPUTE_DTYPE.value}; "
     f"dense f32 matmul 1024^2: {peak:.0f} GFLOP/s; client_map='auto' is {auto!r} here"
   )
   print(

@@ -43,8 +43,9 @@ import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from fedjax_mm.core.sharding import replicate, shard_clients
+from fedjax_mm.core.sharding import CLIENTS, replicate, shard_clients
 from fedjax_mm.core.tasks import SAMPLE_WEIGHT_KEY, Task
 
 Array = jax.Array
@@ -397,21 +398,44 @@ def parse_client_map(spec: str) -> tuple[str, int | None]:
   )
 
 
+def context_clients() -> int:
+  """Devices along the ``clients`` axis of the mesh in context (1 if none).
+
+  The mesh in context is the one ``jax.set_mesh`` (or
+  :func:`fedjax_mm.core.jit_round`, while it traces a round) makes current. An
+  axis already manual (inside a ``shard_map`` over it) counts as 1: its clients
+  are this device's own.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or CLIENTS not in mesh.axis_names:
+    return 1
+  if CLIENTS in mesh.manual_axes:
+    return 1
+  return mesh.shape[CLIENTS]
+
+
 def resolve_client_map(spec: str) -> str:
   """The form ``"auto"`` stands for on this process's backend.
 
-  On accelerators, and whenever the client axis may be sharded over several
-  devices, ``vmap``: one batched program keeps the device busy and the sharding
-  intact. On a single CPU device, XLA:CPU runs a vmapped round of small
+  On accelerators, ``vmap``: one batched program keeps the device busy and the
+  sharding intact. On the CPU, XLA:CPU runs a vmapped round of small
   convolutional clients below the rate of the same step run client after client
   (``experiments/benchmarks/engine_throughput.py`` measures every form and
   prints the choice: 0.5-0.8x the loop for ``vmap``, 1.0x for ``scan``), so
-  ``"auto"`` runs them one after another in a compiled loop there (``"scan"``).
+  ``"auto"`` runs them one after another in a compiled loop there (``"scan"``):
+  on a single CPU device, and on a CPU mesh in context with a ``clients`` axis
+  (:func:`map_clients` then runs one such loop per device). On several CPU
+  devices with no mesh in context the client axis may still be sharded by the
+  compiler's propagation, where a loop over it would run whole on every
+  device, so ``"vmap"``.
   """
   kind, _ = parse_client_map(spec)
   if kind != "auto":
     return spec
-  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+  if jax.default_backend() != "cpu":
+    return "vmap"
+  mesh = jax.sharding.get_abstract_mesh()
+  if jax.device_count() == 1 or (not mesh.empty and CLIENTS in mesh.axis_names):
     return "scan"
   return "vmap"
 
@@ -427,11 +451,33 @@ def map_clients(fn: Callable[..., Any], args: tuple[Any, ...], spec: str = "auto
   * ``"map:<k>"``: ``jax.lax.map(..., batch_size=k)``, vmapped chunks of ``k``
     clients in a compiled loop (the remainder as one more vmapped chunk);
   * ``"auto"``: :func:`resolve_client_map`'s choice for this backend.
+
+  With a mesh in context whose ``clients`` axis spans D > 1 devices
+  (``jax.set_mesh``, or :func:`fedjax_mm.core.jit_round`), ``"scan"`` and
+  ``"map:<k>"`` run inside a ``jax.shard_map`` over that axis: each device
+  loops over its own K / D clients, at the same time as the others (K must be
+  a multiple of D: pad with :func:`fedjax_mm.data.pad_clients`). Without it,
+  a compiled loop over a sharded client axis would run whole on every device.
+  ``"vmap"`` is left to the compiler's sharding propagation, which keeps each
+  device's clients on it.
   """
   kind, size = parse_client_map(resolve_client_map(spec))
   if kind == "vmap":
     return jax.vmap(fn)(*args)
-  return jax.lax.map(lambda xs: fn(*xs), args, batch_size=size)
+
+  def loop(args):
+    return jax.lax.map(lambda xs: fn(*xs), args, batch_size=size)
+
+  devices = context_clients()
+  if devices == 1:
+    return loop(args)
+  num_clients = jax.tree.leaves(args)[0].shape[0]
+  if num_clients % devices:
+    raise ValueError(
+      f"{num_clients} clients do not split over the {devices} devices of the mesh's "
+      f"{CLIENTS!r} axis; pad the group to a multiple (fedjax_mm.data.pad_clients)."
+    )
+  return jax.shard_map(loop, in_specs=P(CLIENTS), out_specs=P(CLIENTS))(args)
 
 
 def train_group(

@@ -23,6 +23,7 @@ multiple of the device count first (:func:`padded_size`, and
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -118,7 +119,23 @@ def jit_round(round_fn: Any, state: Any, *, donate: bool = True) -> Any:
   Without this the compiler may return, say, FedAvg's broadcast parameters
   replicated instead of split over ``clients``, and the next round would start
   by re-sharding them. Metrics are left to the compiler.
+
+  ``round_fn`` is traced with ``state``'s mesh in context, so that
+  :func:`fedjax_mm.core.map_clients` runs a compiled loop over clients
+  (``"scan"``, ``"map:<k>"``, and ``"auto"`` on the CPU) as one loop per device
+  over that device's clients, instead of the whole loop on every device.
   """
+  meshes = {s.mesh for s in jax.tree.leaves(shardings_of(state)) if isinstance(s, NamedSharding)}
+  if len(meshes) > 1:
+    raise ValueError(f"state is placed on {len(meshes)} different meshes; place it on one.")
+
+  @functools.wraps(round_fn)
+  def traced(*args, **kwargs):
+    if not meshes or not jax.sharding.get_abstract_mesh().empty:  # a mesh set by the caller wins
+      return round_fn(*args, **kwargs)
+    with jax.sharding.use_abstract_mesh(next(iter(meshes)).abstract_mesh):
+      return round_fn(*args, **kwargs)
+
   return jax.jit(
-    round_fn, out_shardings=(shardings_of(state), None), donate_argnums=(0,) if donate else ()
+    traced, out_shardings=(shardings_of(state), None), donate_argnums=(0,) if donate else ()
   )
