@@ -134,3 +134,19 @@ def test_cnn_step_times_the_zoo_against_its_alternatives():
   # The step's products timed alone: a ratio, then the two times it divides (per step).
   ratio, products, step = re.fullmatch(r"([\d.]+) \(([\d.]+) of ([\d.]+) ms\)", cells[4]).groups()
   assert float(products) > 0 and float(step) > 0 and float(ratio) > 0
+
+
+def test_vs_flower_runs_the_engine_alone_without_the_peers_extra():
+  # flwr and torch are optional (the `peers` extra): the engine's contender needs neither.
+  out = _run(
+    "vs_flower",
+    "--contenders=engine",
+    "--clients=2",
+    "--devices=2",
+    "--rounds=2",
+    "--steps=1",
+    "--batch=2",
+  )
+  assert "engine on 2 device(s), client_map auto = 'scan'" in out
+  rate = re.search(r"^\s+2 \|\s+([\d.]+)$", out, re.M).group(1)
+  assert float(rate) > 0

@@ -10,8 +10,11 @@ GroupNorm and ReLU, mean pool, a 64 -> 64 projector, a 10-class linear head;
 round, one local epoch of ``steps`` Adam steps (learning rate 1e-3, optimiser
 state reset each round), the server averaging by sample count:
 
-* **engine**: :func:`fedjax_mm.algorithms.fedavg`'s round, jitted once, the
-  clients run by the engine's default client map (``auto``);
+* **engine**: :func:`fedjax_mm.algorithms.fedavg`'s round, jitted once by
+  :func:`fedjax_mm.core.jit_round`, the clients run by the engine's default
+  client map (``auto``), on a ``clients`` mesh of ``--devices`` devices (on
+  the CPU, ``--devices=2`` makes two XLA host devices, one loop over its own
+  clients on each: the engine's counterpart of Flower's one client per core);
 * **flower+jax**: Flower's simulation engine (``flwr.simulation.run_simulation``,
   Ray backend, the Message API's ``FedAvg`` strategy) whose ClientApp calls the
   same jitted single-client update (:func:`fedjax_mm.core.local_update`) on
@@ -69,6 +72,14 @@ _TRIALS = flags.DEFINE_integer(
   "Times every contender runs, in turn, per N; the engine's speed-up is the median of the "
   "per-trial ratios (this machine's speed drifts between contenders' runs).",
 )
+_DEVICES = flags.DEFINE_integer(
+  "devices",
+  1,
+  "Devices the engine runs on (a `clients` mesh). On the CPU, this many XLA host devices "
+  "are made (jax_num_cpu_devices), each running a compiled loop over its own clients, as "
+  "Flower runs one client per core. Every N must be a multiple.",
+  lower_bound=1,
+)
 _FLOWER_CPUS = flags.DEFINE_float("flower_cpus", 1.0, "num_cpus per simulated Flower client.")
 _TORCH_THREADS = flags.DEFINE_list(
   "torch_threads", ["1", str(os.cpu_count())], "torch.set_num_threads values for the torch loop."
@@ -95,18 +106,20 @@ def _median_round(stamps: list[float]) -> float:
 
 
 def run_engine(num_clients: int, steps: int, batch: int, rounds: int) -> float:
-  """Seconds per round of the engine's jitted FedAvg round."""
+  """Seconds per round of the engine's jitted FedAvg round, on ``--devices`` devices."""
   group, state = workload.make_group(num_clients, batch)
   clients = [workload.client_arrays(k, steps * batch) for k in range(num_clients)]
   stacked = {key: np.stack([c[key] for c in clients]) for key in clients[0]}
   mask = np.ones((num_clients, steps * batch), bool)
   client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
   algorithm = algorithms.fedavg([group])
-  fed_state = algorithm.init([state], jax.random.key(1))
-  round_fn = jax.jit(lambda s, d: algorithm.round(s, d)[0])
+  mesh = core.client_mesh(_DEVICES.value)
+  fed_state = algorithm.init([state], jax.random.key(1)).place(mesh)
+  client_data = client_data.place(mesh)
+  round_fn = core.jit_round(algorithm.round, fed_state)
   stamps = [time.perf_counter()]
   for _ in range(rounds):
-    fed_state = jax.block_until_ready(round_fn(fed_state, [client_data]))
+    fed_state = jax.block_until_ready(round_fn(fed_state, [client_data])[0])
     stamps.append(time.perf_counter())
   return _median_round(stamps)
 
@@ -211,6 +224,16 @@ def _parameter_counts(batch: int) -> tuple[int, int | None]:
 def main(argv):
   del argv
   steps, batch, rounds = _STEPS.value, _BATCH.value, _ROUNDS.value
+  if _DEVICES.value > 1:  # before anything initialises the backend
+    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+  if jax.device_count() < _DEVICES.value:
+    raise app.UsageError(f"--devices={_DEVICES.value}, but {jax.device_count()} are available.")
+  uneven = [n for n in map(int, _CLIENTS.value) if n % _DEVICES.value]
+  if uneven:
+    raise app.UsageError(f"--clients {uneven} do not split over --devices={_DEVICES.value}.")
+  mesh = core.client_mesh(_DEVICES.value)
+  with jax.set_mesh(mesh):
+    auto = core.resolve_client_map("auto")
   os.environ.setdefault("RAY_DEDUP_LOGS", "0")
   ours, theirs = _parameter_counts(batch)
   if theirs is not None and ours != theirs:
@@ -218,7 +241,7 @@ def main(argv):
   print(
     f"FedAvg, cnn_s ({ours} parameters), {steps} local Adam steps of batch {batch}, "
     f"all clients every round; {rounds} rounds each, the first not timed; "
-    f"engine client_map auto = {core.resolve_client_map('auto')!r}; "
+    f"engine on {_DEVICES.value} device(s), client_map auto = {auto!r}; "
     f"{os.cpu_count()} CPUs, Flower clients reserve {_FLOWER_CPUS.value:g} each; "
     f"JAX on {jax.devices()[0].device_kind}, the torch loop on {_TORCH_DEVICE.value}"
   )
