@@ -1,0 +1,30 @@
+"""Benchmark scripts (``python -m experiments.benchmarks.<name>``) and what they share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from absl import app
+
+from fedjax_mm import core
+
+
+def engine_mesh(devices: int, clients: Sequence[int]) -> jax.sharding.Mesh:
+  """The engine's ``clients`` mesh over the first ``devices`` devices.
+
+  Call it before anything else touches JAX's backend: on the CPU it first makes
+  ``devices`` XLA host devices (``jax_num_cpu_devices``), which only takes
+  effect before the backend starts. Every client count must split evenly.
+
+  Raises:
+    app.UsageError: too few devices, or a client count that does not split.
+  """
+  if devices > 1:
+    jax.config.update("jax_num_cpu_devices", devices)
+  if jax.device_count() < devices:
+    raise app.UsageError(f"--devices={devices}, but {jax.device_count()} are available.")
+  uneven = [n for n in clients if n % devices]
+  if uneven:
+    raise app.UsageError(f"--clients {uneven} do not split over --devices={devices}.")
+  return core.client_mesh(devices)

@@ -44,6 +44,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
+from experiments import benchmarks
 from fedjax_mm import core, data, models
 from fedjax_mm.core import cost
 from fedjax_mm.models.conv import Conv
@@ -247,13 +248,7 @@ def _cell(num_clients, steps, batch):
 def main(argv):
   del argv
   steps, batch = _STEPS.value, _BATCH.value
-  if _DEVICES.value > 1:  # before anything initialises the backend
-    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  if jax.device_count() < _DEVICES.value:
-    raise app.UsageError(f"--devices={_DEVICES.value}, but {jax.device_count()} are available.")
-  uneven = [n for n in map(int, _CLIENTS.value) if n % _DEVICES.value]
-  if uneven:
-    raise app.UsageError(f"--clients {uneven} do not split over --devices={_DEVICES.value}.")
+  benchmarks.engine_mesh(_DEVICES.value, list(map(int, _CLIENTS.value)))
   device = jax.devices()[0]
   peak = _matmul_gflops(_REPEATS.value)
   auto = _auto()

@@ -59,6 +59,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from experiments import benchmarks
 from experiments.benchmarks import flower_clients as workload
 from fedjax_mm import algorithms, core
 
@@ -224,14 +225,7 @@ def _parameter_counts(batch: int) -> tuple[int, int | None]:
 def main(argv):
   del argv
   steps, batch, rounds = _STEPS.value, _BATCH.value, _ROUNDS.value
-  if _DEVICES.value > 1:  # before anything initialises the backend
-    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  if jax.device_count() < _DEVICES.value:
-    raise app.UsageError(f"--devices={_DEVICES.value}, but {jax.device_count()} are available.")
-  uneven = [n for n in map(int, _CLIENTS.value) if n % _DEVICES.value]
-  if uneven:
-    raise app.UsageError(f"--clients {uneven} do not split over --devices={_DEVICES.value}.")
-  mesh = core.client_mesh(_DEVICES.value)
+  mesh = benchmarks.engine_mesh(_DEVICES.value, list(map(int, _CLIENTS.value)))
   with jax.set_mesh(mesh):
     auto = core.resolve_client_map("auto")
   os.environ.setdefault("RAY_DEDUP_LOGS", "0")
