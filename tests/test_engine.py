@@ -13,6 +13,7 @@ from engine_toys import TASK, client_arrays, make_group
 from jax.sharding import PartitionSpec as P
 
 from fedjax_mm import algorithms, core, server
+from fedjax_mm.core import cost
 
 SIZES = (5, 11, 1, 8)
 
@@ -161,20 +162,6 @@ def test_sharded_round_equals_unsharded():
   chex.assert_trees_all_close(got.groups[0].params, expected.groups[0].params, rtol=1e-5, atol=1e-6)
 
 
-def _primitives(jaxpr, name):
-  """Every equation named ``name`` in ``jaxpr`` and the jaxprs nested in it."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name:
-      found.append(eqn)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if isinstance(sub, jax.extend.core.Jaxpr):
-          found += _primitives(sub, name)
-  return found
-
-
 @pytest.mark.parametrize("client_map", ["scan", "map:3", "auto"])
 def test_a_loop_over_clients_runs_on_each_device_over_its_own_clients(client_map):
   """Under jit_round, a compiled loop over clients is split over the mesh.
@@ -196,8 +183,8 @@ def test_a_loop_over_clients_runs_on_each_device_over_its_own_clients(client_map
   sharded_data = [data.place(mesh)]
   round_fn = core.jit_round(alg.round, sharded_state, donate=False)
   jaxpr = round_fn.trace(sharded_state, sharded_data).jaxpr.jaxpr
-  (shard_map,) = _primitives(jaxpr, "shard_map")
-  loops = _primitives(shard_map.params["jaxpr"], "scan")
+  (shard_map,) = cost.equations(jaxpr, "shard_map")
+  loops = cost.equations(shard_map.params["jaxpr"], "scan")
   per_device = 4 if client_map != "map:3" else 1  # map:3: one chunk of 3, then the 4th
   assert loops[0].params["length"] == per_device
   got, stats = round_fn(sharded_state, sharded_data)

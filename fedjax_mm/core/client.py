@@ -407,9 +407,7 @@ def context_clients() -> int:
   are this device's own.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or CLIENTS not in mesh.axis_names:
-    return 1
-  if CLIENTS in mesh.manual_axes:
+  if CLIENTS not in mesh.axis_names or CLIENTS in mesh.manual_axes:
     return 1
   return mesh.shape[CLIENTS]
 
@@ -434,8 +432,7 @@ def resolve_client_map(spec: str) -> str:
     return spec
   if jax.default_backend() != "cpu":
     return "vmap"
-  mesh = jax.sharding.get_abstract_mesh()
-  if jax.device_count() == 1 or (not mesh.empty and CLIENTS in mesh.axis_names):
+  if jax.device_count() == 1 or CLIENTS in jax.sharding.get_abstract_mesh().axis_names:
     return "scan"
   return "vmap"
 

@@ -75,26 +75,32 @@ def matrix_products(fn: Callable[..., Any], *args: Any) -> list[dict[str, Any]]:
     ...   jnp.ones((8, 16)), jnp.ones((16, 4)))]
     [((8, 16), (16, 4))]
   """
-  found: list[dict[str, Any]] = []
+  return [
+    {
+      "lhs": jax.ShapeDtypeStruct(eqn.invars[0].aval.shape, eqn.invars[0].aval.dtype),
+      "rhs": jax.ShapeDtypeStruct(eqn.invars[1].aval.shape, eqn.invars[1].aval.dtype),
+      "dimension_numbers": eqn.params["dimension_numbers"],
+      "precision": eqn.params.get("precision"),
+      "preferred_element_type": eqn.params.get("preferred_element_type"),
+    }
+    for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr, "dot_general")
+  ]
 
-  def visit(jaxpr: Any) -> None:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        lhs, rhs = (jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars)
-        found.append(
-          {
-            "lhs": lhs,
-            "rhs": rhs,
-            "dimension_numbers": eqn.params["dimension_numbers"],
-            "precision": eqn.params.get("precision"),
-            "preferred_element_type": eqn.params.get("preferred_element_type"),
-          }
-        )
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-          if hasattr(sub, "eqns"):
-            visit(sub)
 
-  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+def equations(jaxpr: Any, primitive: str) -> list[Any]:
+  """Every equation of ``primitive`` in ``jaxpr`` and the jaxprs nested in it, in order.
+
+  ``jaxpr`` is a ``Jaxpr`` or a ``ClosedJaxpr``. Nested jaxprs (a scan's body,
+  a ``jit``, a ``custom_jvp``, a ``cond``'s branches, a ``shard_map``) are
+  entered, and a loop body is read once.
+  """
+  found = []
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    if eqn.primitive.name == primitive:
+      found.append(eqn)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          found += equations(sub, primitive)
   return found

@@ -125,7 +125,8 @@ def jit_round(round_fn: Any, state: Any, *, donate: bool = True) -> Any:
   (``"scan"``, ``"map:<k>"``, and ``"auto"`` on the CPU) as one loop per device
   over that device's clients, instead of the whole loop on every device.
   """
-  meshes = {s.mesh for s in jax.tree.leaves(shardings_of(state)) if isinstance(s, NamedSharding)}
+  shardings = shardings_of(state)
+  meshes = {s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)}
   if len(meshes) > 1:
     raise ValueError(f"state is placed on {len(meshes)} different meshes; place it on one.")
 
@@ -136,6 +137,4 @@ def jit_round(round_fn: Any, state: Any, *, donate: bool = True) -> Any:
     with jax.sharding.use_abstract_mesh(next(iter(meshes)).abstract_mesh):
       return round_fn(*args, **kwargs)
 
-  return jax.jit(
-    traced, out_shardings=(shardings_of(state), None), donate_argnums=(0,) if donate else ()
-  )
+  return jax.jit(traced, out_shardings=(shardings, None), donate_argnums=(0,) if donate else ())
