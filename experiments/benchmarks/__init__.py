@@ -28,3 +28,9 @@ def engine_mesh(devices: int, clients: Sequence[int]) -> jax.sharding.Mesh:
   if uneven:
     raise app.UsageError(f"--clients {uneven} do not split over --devices={devices}.")
   return core.client_mesh(devices)
+
+
+def auto_client_map(mesh: jax.sharding.Mesh) -> str:
+  """What ``client_map="auto"`` runs on ``mesh`` (the mesh in context, as under ``jit_round``)."""
+  with jax.set_mesh(mesh):
+    return core.resolve_client_map("auto")

@@ -117,17 +117,12 @@ def _mesh():
   return core.client_mesh(_DEVICES.value)
 
 
-def _auto():
-  """What ``client_map="auto"`` runs on the engine's mesh."""
-  with jax.set_mesh(_mesh()):
-    return core.resolve_client_map("auto")
-
-
 def _vmapped(impl, num_clients, client_data, batch, client_map="vmap"):
-  """(round, FLOPs, 1): a callable running one engine round with the given client map.
+  """(round, None, 1): a callable running one engine round with the given client map.
 
   The round runs on the engine's mesh (:func:`_mesh`), its clients split over
-  the mesh's devices, through :func:`fedjax_mm.core.jit_round`.
+  the mesh's devices, through :func:`fedjax_mm.core.jit_round`. No FLOP count:
+  every column's rate uses the loop's (XLA counts a compiled loop's body once).
   """
   group, state = _group(impl, num_clients, batch, client_map)
   mesh = _mesh()
@@ -223,7 +218,7 @@ def _cell(num_clients, steps, batch):
   stacked, mask = data.stack_clients(data.split_clients(world, parts))
   client_data = core.make_client_data(stacked, mask, user_ids=np.arange(num_clients))
   looped = min(num_clients, _LOOP_LIMIT.value)
-  auto = _auto()
+  auto = benchmarks.auto_client_map(_mesh())
   rounds = {"loop": _loop("im2col", num_clients, client_data, batch)}
   for client_map in dict.fromkeys([*_MAPS.value, auto]):
     rounds[client_map] = _vmapped("im2col", num_clients, client_data, batch, client_map)
@@ -251,7 +246,7 @@ def main(argv):
   benchmarks.engine_mesh(_DEVICES.value, list(map(int, _CLIENTS.value)))
   device = jax.devices()[0]
   peak = _matmul_gflops(_REPEATS.value)
-  auto = _auto()
+  auto = benchmarks.auto_client_map(_mesh())
   print(
     f"cnn_s clients, {steps} local steps of batch {batch}, "
     f"device={device.device_kind}; the engine on {_DEVICES.value} of {jax.device_count()} "

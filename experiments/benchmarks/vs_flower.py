@@ -226,8 +226,7 @@ def main(argv):
   del argv
   steps, batch, rounds = _STEPS.value, _BATCH.value, _ROUNDS.value
   mesh = benchmarks.engine_mesh(_DEVICES.value, list(map(int, _CLIENTS.value)))
-  with jax.set_mesh(mesh):
-    auto = core.resolve_client_map("auto")
+  auto = benchmarks.auto_client_map(mesh)
   os.environ.setdefault("RAY_DEDUP_LOGS", "0")
   ours, theirs = _parameter_counts(batch)
   if theirs is not None and ours != theirs:
