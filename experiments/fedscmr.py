@@ -66,6 +66,10 @@ def get_config(arg=None):
   # How the engine batches a group's clients: auto (vmap on accelerators and
   # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
   config.client_map = "auto"
+  # Devices of this process the clients are spread over (padded to a multiple); on a
+  # CPU, XLA exposes one device unless jax_num_cpu_devices is set before the first
+  # computation (experiments.main --cpu_devices).
+  config.devices = 1
   config.rounds = 20
   config.local_epochs = 2
   config.batch_size = 32

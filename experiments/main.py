@@ -14,6 +14,11 @@ which calls ``jax.distributed.initialize()`` before anything touches a device:
 with no arguments (Cloud TPU, SLURM and other clusters JAX detects), or with
 ``--coordinator=HOST:PORT --num_processes=N --process_id=I`` passed through.
 Process 0 writes the workdir; see ``fedjax_mm.runner.loop``.
+
+Several devices of one process: a config's ``devices=N`` spreads each group's
+clients over the first N devices (the runners that support it; FedSCMR so far).
+On a CPU, ``--cpu_devices=N`` first makes N XLA devices of it, so each runs its
+share of the clients as its own compiled loop.
 """
 
 import pathlib
@@ -40,6 +45,14 @@ _CACHE = flags.DEFINE_string(
   str(pathlib.Path("~/.cache/fedjax_mm/xla").expanduser()),
   "Folder of JAX's persistent compilation cache, so reruns, resumes and other seeds "
   "skip compilation; empty to disable.",
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+  "cpu_devices",
+  0,
+  "XLA devices to make of this machine's CPU (jax_num_cpu_devices), so that a config's "
+  "devices=N can spread the clients over N compiled loops, one per core; 0: JAX's default "
+  "(one). No effect on GPUs and TPUs.",
+  lower_bound=0,
 )
 _DISTRIBUTED = flags.DEFINE_bool(
   "distributed",
@@ -115,6 +128,8 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  if _CPU_DEVICES.value:  # Only before the first computation.
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   if distributed is not None:  # Before anything touches a device, the cache config included.
     jax.distributed.initialize(**distributed)
   if _CACHE.value:

@@ -13,6 +13,7 @@ from engine_toys import TASK, client_arrays, make_group
 from jax.sharding import PartitionSpec as P
 
 from fedjax_mm import algorithms, core, server
+from fedjax_mm import data as data_lib
 from fedjax_mm.core import cost
 
 SIZES = (5, 11, 1, 8)
@@ -219,6 +220,31 @@ def test_group_is_padded_to_the_mesh():
   assert core.padded_size(17, mesh) == 24
   with pytest.raises(ValueError, match="multiple of 8"):
     core.shard_clients({"x": jnp.zeros((5, 2))}, mesh)
+
+
+def test_padding_appends_clients_that_hold_nothing():
+  """``ClientData.pad`` as ``data.pad_clients`` pads; ``ClientState.pad`` keeps the real clients."""
+  arrays, mask = client_arrays(0, [3, 1, 2])
+  real = core.make_client_data(arrays, mask, user_ids=np.arange(3))
+  padded = real.pad(4)
+  stacked, pmask, cmask = data_lib.pad_clients(arrays, mask, multiple=4)
+  chex.assert_trees_all_equal(
+    padded, core.make_client_data(stacked, pmask, user_ids=[0, 1, 2, 3], client_mask=cmask)
+  )
+  assert padded.user_ids.tolist() == [0, 1, 2, -1] and padded.num_samples.tolist() == [3, 1, 2, 0]
+  assert real.pad(3) is real
+  _, state = make_group(3)
+  grown = state.pad(5)
+  for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(grown.params), strict=True):
+    np.testing.assert_array_equal(y, np.concatenate([x, x[:1], x[:1]]))
+  keys = jax.random.key_data(grown.rng)
+  np.testing.assert_array_equal(keys[:3], jax.random.key_data(state.rng))
+  assert len({tuple(k) for k in np.asarray(keys)}) == 5  # every client its own key
+  with pytest.raises(ValueError, match="cannot pad 3 clients to 2"):
+    state.pad(2)
+  with pytest.raises(ValueError, match="asked for 9 devices, this process has 8"):
+    core.local_mesh(9)
+  assert core.local_mesh(2).devices.tolist() == jax.local_devices()[:2]
 
 
 def test_round_compiles_once():

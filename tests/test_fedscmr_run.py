@@ -4,10 +4,13 @@ import json
 import shutil
 
 import experiment_main
+import jax
 import numpy as np
 import pytest
+import rounding
 
 from experiments import fedscmr as fedscmr_config
+from fedjax_mm.core import cost
 from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner.workdir import WorkdirError
 
@@ -34,6 +37,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
     ("features.text_encoder", "bert", "unknown 'bert'"),
     ("rounds", 0, "rounds must be >= 1"),
     ("dscmr.alpha", -0.5, "alpha must be >= 0"),
+    ("devices", 0, "devices must be >= 1"),
+    ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -45,6 +50,34 @@ def test_validate_names_the_key(key, value, message):
   node[leaf] = value
   with pytest.raises(runner.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
     runner.validate(config)
+
+
+def test_devices_spread_the_clients_and_change_no_result():
+  """``config.devices=2``: the 3 clients, padded to 4, run as one loop of 2 per device, and
+  two rounds (with dropped clients and stragglers) give the real clients what one device
+  gives them (float rounding apart); the padding client never counts."""
+  outcomes = {}
+  for devices in (1, 2):
+    config = fedscmr_config.get_config("smoke")
+    config.devices = devices
+    config.faults.dropout = 0.34
+    config.faults.stragglers = 0.5
+    exp = runner.experiment(config)
+    state = exp.init()["fedscmr"]
+    round_fn = exp.methods["fedscmr"]
+    for _ in range(2):
+      state, stats = round_fn(state)
+    if devices == 2:  # placement kept by the rounds
+      params = state.groups[0].params
+      assert {len(x.sharding.device_set) for x in jax.tree.leaves(params)} == {2}
+      assert {x.shape[0] for x in jax.tree.leaves(params)} == {4}
+      (shard_map,) = cost.equations(jax.make_jaxpr(round_fn)(state), "shard_map")
+      assert {e.params["length"] for e in cost.equations(shard_map.params["jaxpr"], "scan")} == {2}
+    real = lambda x: np.asarray(x)[:3] if np.ndim(x) else np.asarray(x)  # the real clients
+    outcomes[devices] = jax.tree.map(real, (state.groups[0].params, stats))
+  one, two = outcomes[1], outcomes[2]
+  assert np.asarray(one[1]["fault_counts"]["dropped"]) == 1  # faults were drawn
+  rounding.assert_close(two, one)
 
 
 def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):

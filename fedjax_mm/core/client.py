@@ -76,6 +76,32 @@ class ClientState:
     clients = shard_clients((self.params, self.opt_state, self.rng), mesh)
     return ClientState(*clients, shared=replicate(self.shared, mesh))
 
+  def pad(self, num_clients: int) -> ClientState:
+    """The group with padding clients appended up to ``num_clients`` (see :meth:`ClientData.pad`).
+
+    A padding client holds a copy of client 0's parameters and optimiser state
+    (finite values of the right shapes) and its own key; the real clients'
+    entries are unchanged, so a round that masks padding clients out computes
+    for the real ones what the unpadded group computes.
+    """
+    extra = _extra_clients(self.rng.shape[0], num_clients)
+    if not extra:
+      return self
+    copy = lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (extra,) + x.shape[1:])])
+    keys = jax.random.split(jax.random.fold_in(self.rng[0], num_clients), extra)
+    return ClientState(
+      params=jax.tree.map(copy, self.params),
+      opt_state=jax.tree.map(copy, self.opt_state),
+      rng=jnp.concatenate([self.rng, keys]),
+      shared=self.shared,
+    )
+
+
+def _extra_clients(num_clients: int, target: int) -> int:
+  if target < num_clients:
+    raise ValueError(f"cannot pad {num_clients} clients to {target}.")
+  return target - num_clients
+
 
 @struct.dataclass
 class ClientData:
@@ -96,6 +122,26 @@ class ClientData:
   def place(self, mesh: Mesh) -> ClientData:
     """Splits the client axis of every array over ``mesh``."""
     return shard_clients(self, mesh)
+
+  def pad(self, num_clients: int) -> ClientData:
+    """The group with padding clients appended up to ``num_clients``.
+
+    Padding clients hold zeros, no samples (``sample_mask`` False),
+    ``client_mask`` False and user id -1, as
+    :func:`fedjax_mm.data.pad_clients` pads the numpy arrays: with
+    :func:`fedjax_mm.core.padded_size` they make a group split evenly over a
+    mesh of any size.
+    """
+    extra = _extra_clients(self.num_clients, num_clients)
+    if not extra:
+      return self
+    zeros = lambda x, fill=0: jnp.concatenate([x, jnp.full((extra,) + x.shape[1:], fill, x.dtype)])
+    return ClientData(
+      arrays={k: zeros(v) for k, v in self.arrays.items()},
+      sample_mask=zeros(self.sample_mask),
+      user_ids=zeros(self.user_ids, -1),
+      client_mask=zeros(self.client_mask),
+    )
 
   @property
   def num_clients(self) -> int:

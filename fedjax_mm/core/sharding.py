@@ -46,19 +46,25 @@ def client_mesh(num_devices: int | None = None) -> Mesh:
   )
 
 
-def local_mesh() -> Mesh:
-  """A 1-device ``clients`` mesh on this process's first device.
+def local_mesh(num_devices: int = 1) -> Mesh:
+  """A ``clients`` mesh over this process's first ``num_devices`` devices.
 
-  The experiments' runners place every client on it. With one process it is
-  ``client_mesh(1)``. In a job of several processes (``jax.distributed``) each
-  process gets its own: every process computes the whole run on its own device,
-  from the same seeds, so all hold the same arrays (process 0 writes the files,
-  :mod:`fedjax_mm.core.processes`; the checkpoints store them once,
-  :mod:`fedjax_mm.core.checkpoint`). ``client_mesh(1)`` would instead name process
-  0's device, which no other process can address.
+  The experiments' runners place their clients on it (``config.devices``). With
+  one process, ``local_mesh(n)`` is ``client_mesh(n)``. In a job of several
+  processes (``jax.distributed``) each process gets its own: every process
+  computes the whole run on its own devices, from the same seeds, so all hold
+  the same arrays (process 0 writes the files, :mod:`fedjax_mm.core.processes`;
+  the checkpoints store them once, :mod:`fedjax_mm.core.checkpoint`).
+  ``client_mesh`` would instead name process 0's devices, which no other
+  process can address.
   """
+  devices = jax.local_devices()
+  if not 1 <= num_devices <= len(devices):
+    raise ValueError(
+      f"asked for {num_devices} devices, this process has {len(devices)} ({devices[0].platform})."
+    )
   return jax.make_mesh(
-    (1,), (CLIENTS,), axis_types=(AxisType.Auto,), devices=jax.local_devices()[:1]
+    (num_devices,), (CLIENTS,), axis_types=(AxisType.Auto,), devices=devices[:num_devices]
   )
 
 
@@ -113,18 +119,31 @@ def shardings_of(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def jit_round(round_fn: Any, state: Any, *, donate: bool = True) -> Any:
+def jit_round(round_fn: Any, state: Any = None, *, donate: bool = True) -> Any:
   """Jits ``round_fn(state, *args) -> (state, metrics)`` keeping ``state``'s placement.
 
   Without this the compiler may return, say, FedAvg's broadcast parameters
   replicated instead of split over ``clients``, and the next round would start
-  by re-sharding them. Metrics are left to the compiler.
+  by re-sharding them. Metrics are left to the compiler. With ``state=None``
+  the placement kept is that of the state of the first call (the runners,
+  which build their states after their round functions).
 
   ``round_fn`` is traced with ``state``'s mesh in context, so that
   :func:`fedjax_mm.core.map_clients` runs a compiled loop over clients
   (``"scan"``, ``"map:<k>"``, and ``"auto"`` on the CPU) as one loop per device
   over that device's clients, instead of the whole loop on every device.
   """
+  if state is None:
+    jitted = None
+
+    @functools.wraps(round_fn)
+    def first_call(state, *args, **kwargs):
+      nonlocal jitted
+      if jitted is None:
+        jitted = jit_round(round_fn, state, donate=donate)
+      return jitted(state, *args, **kwargs)
+
+    return first_call
   shardings = shardings_of(state)
   meshes = {s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)}
   if len(meshes) > 1:

@@ -140,6 +140,7 @@ def validate(config) -> None:
   """Checks a whole config before any work. Raises :class:`ConfigError`."""
   validation.check_numbers(config, validation.FEDSCMR)
   validation.check_client_map(config)
+  validation.check_devices(config)
   validation.check_faults(config)
   clients = config.clients
   if len(clients) < 2:
@@ -528,7 +529,11 @@ def experiment(config) -> loop.Experiment:
   names = [c["name"] for c in config.clients]
   methods = tuple(config.methods)
   ns = tuple(int(n) for n in config.ns)
-  mesh = core.local_mesh()
+  # The clients, padded to a multiple of the mesh's devices (padding clients carry
+  # client_mask False: no samples, no aggregation weight, sliced off every output).
+  mesh = core.local_mesh(validation.check_devices(config))
+  num_clients = core.padded_size(len(names), mesh)
+  train, val, test = (d.pad(num_clients).place(mesh) for d in (setup.train, setup.val, setup.test))
   faults = validation.check_faults(config)
   algs = {
     m: alg_lib.fedscmr(group, method_config(config, m, setup.num_classes), faults=faults)
@@ -539,13 +544,14 @@ def experiment(config) -> loop.Experiment:
 
   def step(m):
     def fn(s):
-      s, stats = algs[m].round(s, setup.train, setup.val)
+      s, stats = algs[m].round(s, train, val)
       return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
 
-    return jax.jit(fn, donate_argnums=0)
+    # Traced with the mesh in context: a compiled loop over clients runs per device.
+    return core.jit_round(fn)
 
   shared_mask = jnp.ones(setup.shared_test["label"].shape, bool)
-  evaluate_own = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], setup.test, ns=ns))
+  evaluate_own = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
   evaluate_shared = jax.jit(
     lambda s: alg_lib.evaluate_shared(group, s.groups[0], setup.shared_test, shared_mask, ns=ns)
   )
@@ -581,13 +587,13 @@ def experiment(config) -> loop.Experiment:
 
   return loop.Experiment(
     init=lambda: {
-      m: jax.tree.map(jnp.copy, alg.init(setup.state, init_key)).place(mesh)
+      m: jax.tree.map(jnp.copy, alg.init(setup.state.pad(num_clients), init_key)).place(mesh)
       for m, alg in algs.items()
     },
     methods={m: step(m) for m in methods},
     evaluate=evaluate,
     nonfinite=lambda out: [
-      f"client {names[i]}" for i in np.flatnonzero(~np.asarray(out["finite"]))
+      f"client {names[i]}" for i in np.flatnonzero(~np.asarray(out["finite"])[: len(names)])
     ],
     scalars=scalars,
     runs=methods,

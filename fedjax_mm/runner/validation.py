@@ -248,6 +248,7 @@ FEDSCMR: dict[str, Range] = {
   "val_size": COUNT,
   "global_test_size": COUNT,
   "checkpoint_every": COUNT,
+  "devices": COUNT,  # at most this process's devices: check_devices
   "clients[].classes": COUNT,
   "clients[].train_size": COUNT,
   "features.image_dim": COUNT,
@@ -342,6 +343,27 @@ def check_client_map(config: Any) -> str:
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return spec
+
+
+def check_devices(config: Any) -> int:
+  """``config.devices`` (default 1), checked: how many of this process's devices run the clients.
+
+  The runner spreads each group's clients over a mesh of that many devices
+  (:func:`fedjax_mm.core.local_mesh`), padding the group to a multiple. It must
+  be an int from 1 to the devices this process has, else :class:`ConfigError`.
+  """
+  import jax  # only when validating
+
+  value = config.get("devices", 1) if callable(getattr(config, "get", None)) else 1
+  available = len(jax.local_devices())
+  if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= available:
+    platform = jax.local_devices()[0].platform
+    hint = " (experiments.main --cpu_devices=N makes N of a CPU)" if platform == "cpu" else ""
+    raise ConfigError(
+      f"devices must be an int in [1, {available}], the {platform} devices of this "
+      f"process{hint}, got {value!r}."
+    )
+  return value
 
 
 def check_faults(config: Any) -> Faults:
