@@ -4,11 +4,13 @@ import itertools
 import json
 
 import experiment_main
+import jax
 import numpy as np
 import pytest
+import rounding
 
 from experiments import creamfl as creamfl_config
-from fedjax_mm import data
+from fedjax_mm import core, data
 from fedjax_mm.algorithms import creamfl
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner.workdir import WorkdirError
@@ -32,6 +34,7 @@ from fedjax_mm.runner.workdir import WorkdirError
     ("vqa.steps", 0, "vqa.steps must be >= 1"),
     ("vqa.learning_rate", 0.0, "vqa.learning_rate must be > 0"),
     ("vqa.features", "tokens", "vqa.features must be one of representation, pooled"),
+    ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
   ],
 )
 def test_validate_rejects_bad_configs(key, value, message):
@@ -64,6 +67,74 @@ def test_bad_config_exits_2_in_one_line(tmp_path, main_cache):
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and "num_selected" in lines[0], err[-2000:]
   assert not (tmp_path / "run").exists()  # Nothing was written.
+
+
+def _one_round(config, monkeypatch, *, devices=1, padded_to=None):
+  """Each method's state and outputs after one round, the real clients' rows only."""
+  config.devices = devices
+  with monkeypatch.context() as patch:
+    if padded_to:  # every group padded to padded_to clients, whatever the mesh
+      patch.setattr(core, "padded_size", lambda num, mesh: padded_to)
+    exp = runner.experiment(config)
+  states = exp.init()
+  nums = [config.clients[g].num for g in runner.GROUPS]
+  out = {}
+  for m in config.methods:
+    state, stats = exp.methods[m](states[m])
+    real = lambda per_group: [np.asarray(x)[:n] for x, n in zip(per_group, nums, strict=True)]
+    groups = [jax.tree.map(lambda x, n=n: np.asarray(x)[:n], g.params) for g, n in zip(state.groups, nums, strict=True)]  # fmt: skip
+    masks = {k: real(stats[k]) for k in ("active", "dropped") if k in stats}
+    losses = {k: stats[k] for k in ("server_loss", "kd_loss") if k in stats}
+    losses["client_loss"] = real(stats["client_loss"]) if "client_loss" in stats else []
+    out[m] = {"server": state.server_params, "groups": groups, "masks": masks, "losses": losses,
+              "traffic": exp.traffic(m, stats), "state": state}  # fmt: skip
+  return out
+
+
+def test_padding_clients_change_no_draw_and_no_result(monkeypatch):
+  """Every group padded from 2 to 4 clients (one device): the same clients take part, the
+  same are dropped, slowed and corrupted, the same partners are drawn, and the round gives
+  the server and the real clients what the unpadded round gives them (float rounding apart).
+  Then on 2 devices (a client per device, each group a loop of one per device): the same
+  draws and traffic, and the same losses up to the rounding that Adam's steps amplify (the
+  devices sum in another order; Adam turns a difference in the last bit of a near-zero
+  gradient into a step of the learning rate's size)."""
+  config = creamfl_config.get_config("smoke")
+  config.methods = ("CreamFL",)  # GCA, both LCR terms, distillation
+  config.faults.dropout = 0.5
+  config.faults.stragglers = 0.5
+  config.faults.byzantine = 0.25
+  plain = _one_round(config, monkeypatch)
+  padded = _one_round(config, monkeypatch, padded_to=4)
+  spread = _one_round(config, monkeypatch, devices=2)
+  for m in config.methods:
+    assert int(plain[m]["state"].round) == 1 and plain[m]["masks"]["dropped"]
+    assert any(a.any() for a in plain[m]["masks"]["dropped"])  # faults were drawn
+    rounding.assert_close(
+      [padded[m][k] for k in ("server", "groups", "losses")],
+      [plain[m][k] for k in ("server", "groups", "losses")],
+    )
+    for other in (padded, spread):
+      chex_equal = jax.tree.map(np.array_equal, other[m]["masks"], plain[m]["masks"])
+      assert all(jax.tree.leaves(chex_equal))
+      assert all(np.array_equal(a, b) for a, b in zip(other[m]["traffic"], plain[m]["traffic"], strict=True))  # fmt: skip
+    params = spread[m]["state"].groups[0].params
+    assert {(x.shape[0], len(x.sharding.device_set)) for x in jax.tree.leaves(params)} == {(2, 2)}
+    for got, want in zip(jax.tree.leaves(spread[m]["losses"]), jax.tree.leaves(plain[m]["losses"]), strict=True):  # fmt: skip
+      np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
+def test_padding_clients_change_no_fedavg_tower(monkeypatch):
+  """Table 1's FedAvg row (towers averaged across groups) with every group padded to 4."""
+  config = creamfl_config.get_config("smoke")
+  config.methods = ("FedAvg",)
+  plain = _one_round(config, monkeypatch)["FedAvg"]
+  padded = _one_round(config, monkeypatch, padded_to=4)["FedAvg"]
+  rounding.assert_close(
+    [padded[k] for k in ("server", "groups", "losses")],
+    [plain[k] for k in ("server", "groups", "losses")],
+  )
+  assert all(np.array_equal(a, b) for a, b in zip(padded["traffic"], plain["traffic"], strict=True))
 
 
 def test_smoke_run_resume_and_refusal(tmp_path, capsys):

@@ -14,7 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from fedjax_mm import algorithms, core, server
 from fedjax_mm import data as data_lib
+from fedjax_mm.algorithms import creamfl
 from fedjax_mm.core import cost
+from fedjax_mm.core import faults as faults_lib
 
 SIZES = (5, 11, 1, 8)
 
@@ -167,9 +169,10 @@ def test_sharded_round_equals_unsharded():
 def test_a_loop_over_clients_runs_on_each_device_over_its_own_clients(client_map):
   """Under jit_round, a compiled loop over clients is split over the mesh.
 
-  8 clients on 2 devices: one shard_map over ``clients``, inside it a loop over
-  each device's 4 clients (not all 8 on every device), and the round equals the
-  unsharded one.
+  8 clients on 2 devices: the traced loop runs over a device's 4 clients (not
+  all 8), vmapped over the 2 devices, and the compiled program of each device
+  carries one device's share through it (its clients' kernels ``[4, 1, ...]``);
+  the round equals the unsharded one.
   """
   sizes = (3, 7, 2, 9, 4, 6, 5, 8)
   group, state = make_group(len(sizes))
@@ -184,14 +187,41 @@ def test_a_loop_over_clients_runs_on_each_device_over_its_own_clients(client_map
   sharded_data = [data.place(mesh)]
   round_fn = core.jit_round(alg.round, sharded_state, donate=False)
   jaxpr = round_fn.trace(sharded_state, sharded_data).jaxpr.jaxpr
-  (shard_map,) = cost.equations(jaxpr, "shard_map")
-  loops = cost.equations(shard_map.params["jaxpr"], "scan")
   per_device = 4 if client_map != "map:3" else 1  # map:3: one chunk of 3, then the 4th
-  assert loops[0].params["length"] == per_device
+  lengths = {e.params["length"] for e in cost.equations(jaxpr, "scan")}
+  assert per_device in lengths and len(sizes) not in lengths
+  if client_map != "map:3":
+    hlo = round_fn.lower(sharded_state, sharded_data).compile().as_text()
+    kernel = jax.tree.leaves(state.params)[-1].shape[1:]  # the head's [8, 3]
+    loops = [line for line in hlo.splitlines() if " while(" in line]
+    assert any(f"f32[4,1,{kernel[0]},{kernel[1]}]" in line for line in loops)
+    assert not any(f"f32[4,2,{kernel[0]},{kernel[1]}]" in line for line in loops)
   got, stats = round_fn(sharded_state, sharded_data)
   chex.assert_trees_all_close(got.groups[0].params, expected.groups[0].params, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(stats["tiny"]["loss"], expected_stats["tiny"]["loss"], rtol=1e-5)
   assert stats["tiny"]["steps"].tolist() == expected_stats["tiny"]["steps"].tolist()
+
+
+def test_a_loop_per_device_reads_what_the_clients_close_over():
+  """A client function that gathers, by its own indices, from an array of the enclosing
+  round (as CreamFL's clients read the server's representations) runs per device and
+  gives what one device gives (a manual shard_map region rejected this gather)."""
+  mesh = core.client_mesh(2)
+  table = core.replicate(jnp.arange(40.0).reshape(10, 4), mesh)
+  x = core.shard_clients(jnp.arange(24.0).reshape(8, 3), mesh)
+  index = core.shard_clients(jnp.arange(16).reshape(8, 2) % 10, mesh)
+
+  def round_fn(x, index, table):
+    doubled = table * 2.0  # traced in the round, closed over by the clients
+
+    def client(a, i):
+      return a.sum() + doubled[i].sum()
+
+    return x, core.map_clients(client, (x, index), "scan")
+
+  _, got = core.jit_round(round_fn, x, donate=False)(x, index, table)
+  expected = np.asarray(x).sum(1) + 2 * np.asarray(table)[np.asarray(index)].sum((1, 2))
+  np.testing.assert_allclose(got, expected)
 
 
 def test_a_sharded_loop_needs_a_padded_group_and_one_mesh():
@@ -337,6 +367,40 @@ def test_client_sampling():
   assert counts[2] == counts[6] == 0
   np.testing.assert_allclose(counts[mask], 600 * 3 / 6, rtol=0.15)
   assert int(server.sample_clients(jax.random.key(0), mask, 20).sum()) == 6
+
+
+def test_padding_clients_move_no_draw():
+  """Draws indexed by rank among the real clients: three groups of 2, 3 and 1 real clients,
+  each padded to 4, draw for their real clients what the unpadded groups draw, whether the
+  participants, the faults or CreamFL's partner matrices."""
+  real = (2, 3, 1)
+  compact = jnp.ones(sum(real), bool)
+  padded = jnp.array([i < n for n in real for i in range(4)])
+  where = np.flatnonzero(padded)  # the real clients' positions in the padded layout
+  faults = faults_lib.Faults(dropout=0.34, stragglers=0.5, byzantine=0.25)
+  for seed in range(20):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(
+      core.client_uniform(key, padded)[where], jax.random.uniform(key, compact.shape)
+    )
+    chosen = server.sample_clients(key, compact, 3)
+    chosen_padded = server.sample_clients(key, padded, 3)
+    np.testing.assert_array_equal(chosen_padded[where], chosen)
+    assert not chosen_padded[~padded].any()
+    masks = faults_lib.draw(key, chosen, faults)
+    masks_padded = faults_lib.draw(key, chosen_padded, faults, client_mask=padded)
+    for field in ("dropped", "straggler", "work", "byzantine"):
+      np.testing.assert_array_equal(getattr(masks_padded, field)[where], getattr(masks, field))
+    partners = creamfl.draw_local_partners(key, chosen, 2)
+    partners_padded = creamfl.draw_local_partners(key, chosen_padded, 2, valid=padded)
+    np.testing.assert_array_equal(where[np.asarray(partners)], partners_padded)
+  # Without client_mask the faults are drawn by position, and the padding moves them.
+  moved = [
+    faults_lib.draw(jax.random.key(s), padded, faults).dropped[where].tolist()
+    != faults_lib.draw(jax.random.key(s), compact, faults).dropped.tolist()
+    for s in range(20)
+  ]
+  assert any(moved)
 
 
 def test_fedavg_select_by_path_keeps_the_rest_personal():

@@ -139,6 +139,7 @@ from fedjax_mm.core.client import (
   ClientState,
   GroupDef,
   apply_in_batches,
+  client_uniform,
   finite_per_client,
   local_update,
   supervised_objective,
@@ -736,9 +737,17 @@ def server_retrieval_objective(server: ServerDef, public: dict[str, Array], temp
   return objective
 
 
-def draw_local_partners(key: Array, present: Array, num_partners: int) -> Array:
-  """``int32 [M]`` distinct indices among the ``present`` local matrices, uniformly."""
-  scores = jnp.where(present, jax.random.uniform(key, present.shape), -1.0)
+def draw_local_partners(
+  key: Array, present: Array, num_partners: int, valid: Array | None = None
+) -> Array:
+  """``int32 [M]`` distinct indices among the ``present`` local matrices, uniformly.
+
+  ``valid`` (``bool [R]``, the matrices of real clients) indexes the draw by rank
+  among them (:func:`fedjax_mm.core.client_uniform`), so padding clients in the
+  concatenation change no choice; None: by position.
+  """
+  u = jax.random.uniform(key, present.shape) if valid is None else client_uniform(key, valid)
+  scores = jnp.where(present, u, -1.0)
   return jax.lax.top_k(scores, num_partners)[1]
 
 
@@ -754,6 +763,7 @@ def server_kd_objective(
   *,
   diversity: dict[str, tuple[Array, Array]] | None = None,
   global_reps: dict[str, Array] | None = None,
+  valid: Array | None = None,
 ):
   """Steps 6-7 on the server: eq. (7) and/or the server's Muscle loss (App. K).
 
@@ -775,6 +785,8 @@ def server_kd_objective(
     global_reps: the global representations ``g`` of both modalities (this
       round's ``I_glob``, ``T_glob``; the softmaxes of modality ``m`` run over
       those of the other one ``m'``); needed with ``diversity``.
+    valid: ``bool [R]``, the local matrices of real clients (padding clients
+      excluded), for :func:`draw_local_partners`.
   """
   if diversity is not None and global_reps is None:
     raise ValueError("diversity needs global_reps.")
@@ -782,7 +794,7 @@ def server_kd_objective(
   def objective(params, batch, mask, key):
     model = server.merge(params)
     index = batch["index"]
-    partners = draw_local_partners(key, present, config.muscle_partners)
+    partners = draw_local_partners(key, present, config.muscle_partners, valid)
     others = local_reps[partners][:, index]  # [M, B, d]
     total = 0.0
     for m in MODALITIES:
@@ -981,7 +993,7 @@ def creamfl(
     masks = None
     if faults.enabled:
       fault_key = jax.random.fold_in(key, faults_lib.SALT)
-      masks = faults_lib.draw(fault_key, selected, faults)
+      masks = faults_lib.draw(fault_key, selected, faults, client_mask=valid)
       stats["fault_counts"] = masks.counts()
       stats["dropped"] = tuple(_split(masks.dropped, sizes))
 
@@ -993,7 +1005,7 @@ def creamfl(
 
     # 4-5. Local training on eq. (3), local representations of the public set.
     new_groups, local = [], {m: [] for m in MODALITIES}
-    meta = {m: {"present": [], "counts": [], "multimodal": []} for m in MODALITIES}
+    meta = {m: {"present": [], "counts": [], "multimodal": [], "valid": []} for m in MODALITIES}
     client_losses, offset = [], 0
     for client, cstate, d, act in zip(clients, state.groups, data, active, strict=True):
       budget = sent = None
@@ -1037,6 +1049,7 @@ def creamfl(
         meta[m]["present"].append(act if sent is None else sent)
         meta[m]["counts"].append(d.num_samples)
         meta[m]["multimodal"].append(jnp.full(act.shape, client.multimodal))
+        meta[m]["valid"].append(d.client_mask)
     state = state.replace(groups=tuple(new_groups))
     stats["client_loss"] = tuple(client_losses)
 
@@ -1069,6 +1082,7 @@ def creamfl(
       var,
       diversity={m: a[1:] for m, a in aggregated.items()},
       global_reps=global_reps,
+      valid=jnp.concatenate([meta[m]["valid"] for m in MODALITIES]),
     )
     params, opt, rng, kd_stats = _public_pass(
       objective,

@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from fedjax_mm.core.client import client_uniform
+
 Array = jax.Array
 PyTree = Any
 PathPredicate = Callable[[tuple[Any, ...]], bool]
@@ -140,14 +142,23 @@ class FaultMasks:
     }
 
 
-def _choose(key: Array, eligible: Array, count: Array) -> Array:
+def _uniform(key: Array, client_mask: Array | None, shape) -> Array:
+  """``U[0, 1)`` per client; by rank among ``client_mask`` when given (see ``client_uniform``)."""
+  if client_mask is None:
+    return jax.random.uniform(key, shape)
+  return client_uniform(key, client_mask)
+
+
+def _choose(key: Array, eligible: Array, count: Array, client_mask: Array | None) -> Array:
   """``bool [K]``: ``count`` of the ``eligible`` clients, uniformly (all of them if fewer)."""
-  scores = jnp.where(eligible, jax.random.uniform(key, eligible.shape), 2.0)
+  scores = jnp.where(eligible, _uniform(key, client_mask, eligible.shape), 2.0)
   rank = jnp.argsort(jnp.argsort(scores, stable=True), stable=True)
   return eligible & (rank < count)
 
 
-def draw(key: Array, active: Array, faults: Faults) -> FaultMasks:
+def draw(
+  key: Array, active: Array, faults: Faults, *, client_mask: Array | None = None
+) -> FaultMasks:
   """The round's faults among the ``active`` clients.
 
   Args:
@@ -155,6 +166,11 @@ def draw(key: Array, active: Array, faults: Faults) -> FaultMasks:
       if the algorithm draws per group).
     active: ``bool [K]`` the round's participants (padding clients excluded).
     faults: the configuration (static).
+    client_mask: ``bool [K]`` the real clients, when padding clients may sit
+      anywhere (several padded groups concatenated): every draw is then
+      indexed by a client's rank among the real ones
+      (:func:`fedjax_mm.server.aggregate.client_uniform`), so the padding
+      changes none. None: by position (padding, if any, at the end).
 
   Returns:
     :class:`FaultMasks` over ``K``; every mask is False outside ``active``,
@@ -164,12 +180,12 @@ def draw(key: Array, active: Array, faults: Faults) -> FaultMasks:
   n = jnp.sum(active)
   k_drop, k_slow, k_work, k_byz = (jax.random.fold_in(key, i) for i in range(4))
   count = lambda p: jnp.round(p * n).astype(jnp.int32)
-  dropped = _choose(k_drop, active, count(faults.dropout))
+  dropped = _choose(k_drop, active, count(faults.dropout), client_mask)
   survivors = active & ~dropped
-  straggler = _choose(k_slow, survivors, count(faults.stragglers))
-  work = jnp.where(straggler, jax.random.uniform(k_work, active.shape), 1.0)
+  straggler = _choose(k_slow, survivors, count(faults.stragglers), client_mask)
+  work = jnp.where(straggler, _uniform(k_work, client_mask, active.shape), 1.0)
   byz_count = faults.byzantine_count if faults.byzantine_count > 0 else count(faults.byzantine)
-  byzantine = _choose(k_byz, survivors, byz_count)
+  byzantine = _choose(k_byz, survivors, byz_count, client_mask)
   return FaultMasks(dropped=dropped, straggler=straggler, work=work, byzantine=byzantine)
 
 

@@ -225,6 +225,7 @@ def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
   validation.check_numbers(config, validation.CREAMFL)
   validation.check_client_map(config)
+  validation.check_devices(config)
   faults = validation.check_faults(config)
   unknown = [m for m in config.methods if m not in METHODS]
   if unknown or not config.methods:
@@ -946,12 +947,28 @@ def experiment(config) -> loop.Experiment:
   clients, states, train_data, server, server_params, public, test, names = build(config)
   methods = tuple(config.methods)
   cc = _cream_config(config)
-  mesh = core.local_mesh()
+  # Each group's clients, padded to a multiple of the mesh's devices: padding clients
+  # hold no samples, are never selected (draws by rank among the real clients) and are
+  # sliced off every per-client output (real()).
+  mesh = core.local_mesh(validation.check_devices(config))
+  nums = [config.clients[name].num for name in GROUPS]
+  padded = [core.padded_size(n, mesh) for n in nums]
+
+  def pad(groups, place=False):
+    out = tuple(g.pad(k) for g, k in zip(groups, padded, strict=True))
+    return tuple(g.place(mesh) for g in out) if place else out
+
+  def real(per_group) -> np.ndarray:
+    """Per-group ``[K'_g]`` outputs -> ``[sum_g K_g]``, the real clients in order."""
+    return np.concatenate([np.asarray(a)[:n] for a, n in zip(per_group, nums, strict=True)])
+
+  fed_data, states = pad(train_data, place=True), pad(states)
   fed = creamfl.creamfl(clients, server, cc, faults=validation.check_faults(config))
   local = creamfl.server_only(server, cc)
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-  fed_step = jax.jit(lambda s, v: fed.round(s, train_data, public, v), donate_argnums=0)
-  local_step = jax.jit(lambda s: local.round(s, public), donate_argnums=0)
+  # Traced with the mesh in context: a compiled loop over clients runs per device.
+  fed_step = core.jit_round(lambda s, v: fed.round(s, fed_data, public, v))
+  local_step = core.jit_round(lambda s: local.round(s, public))
   variants = {m: creamfl.variant(**ROWS[m]) for m in methods if m in ROWS}
   rounds = {m: functools.partial(fed_step, v=variants[m]) for m in variants}
   if LOCAL in methods:
@@ -963,12 +980,16 @@ def experiment(config) -> loop.Experiment:
     avg_clients, avg_states, avg_data, _ = _client_groups(
       config, jax.random.key(config.seed), server_size=True, train_data=train_data
     )
-    avg_data = tuple(
-      creamfl_fedavg.with_public(d, public) if c.multimodal else d
-      for c, d in zip(avg_clients, avg_data, strict=True)
+    avg_data = pad(
+      tuple(
+        creamfl_fedavg.with_public(d, public) if c.multimodal else d
+        for c, d in zip(avg_clients, avg_data, strict=True)
+      ),
+      place=True,
     )
+    avg_states = pad(avg_states)
     avg = creamfl_fedavg.fedavg_towers(avg_clients, cc)
-    avg_step = jax.jit(lambda s, f: avg.round(s, avg_data, f), donate_argnums=0)
+    avg_step = core.jit_round(lambda s, f: avg.round(s, avg_data, f))
     for m, iot in PARAMETER_ROWS.items():
       if m in methods:
         rounds[m] = functools.partial(avg_step, f=jnp.float32(cc.iot_weight if iot else 1.0))
@@ -1016,8 +1037,7 @@ def experiment(config) -> loop.Experiment:
   def nonfinite(out) -> list[str]:
     bad = [] if bool(out["server_finite"]) else ["the server"]
     if "client_finite" in out:
-      flags = np.concatenate([np.asarray(f) for f in out["client_finite"]])
-      bad += [names[i] for i in np.flatnonzero(~flags)]
+      bad += [names[i] for i in np.flatnonzero(~real(out["client_finite"]))]
     return bad
 
   up_bytes, down_bytes = _bytes_per_client(config, clients, public["image"].shape[0])
@@ -1025,20 +1045,20 @@ def experiment(config) -> loop.Experiment:
   def traffic(m, out):
     if m == LOCAL:
       return None
-    active = np.concatenate([np.asarray(a) for a in out["active"]])
+    active = real(out["active"])
     if m in PARAMETER_ROWS:  # Towers down and up, the same bytes each way.
       return np.where(active, avg_up, 0), np.where(active, avg_up, 0)
     sent = active
     if "dropped" in out:  # Dropped clients received I_glob, T_glob but sent nothing.
-      sent = active & ~np.concatenate([np.asarray(a) for a in out["dropped"]])
+      sent = active & ~real(out["dropped"])
     return np.where(sent, up_bytes, 0), np.where(active, down_bytes, 0)
 
   def scalars(r, outs, evals):
     values = {}
     for m in methods:
       if m in PARAMETER_ROWS:
-        client_loss = np.concatenate([np.asarray(x) for x in outs[m]["client_loss"]])
-        active = np.concatenate([np.asarray(a) for a in outs[m]["active"]])
+        client_loss = real(outs[m]["client_loss"])
+        active = real(outs[m]["active"])
         values[f"{m}/client_loss"] = float(client_loss[active].mean())
       else:
         values[f"{m}/server_loss"] = float(outs[m]["server_loss"])

@@ -201,6 +201,7 @@ CREAMFL: dict[str, Range] = {
   "server_learning_rate": POSITIVE,
   "weight_decay": NON_NEGATIVE,
   "checkpoint_every": COUNT,
+  "devices": COUNT,  # at most this process's devices: check_devices
   "clients.image.num": COUNT,
   "clients.image.train_size": COUNT,
   "clients.text.num": COUNT,

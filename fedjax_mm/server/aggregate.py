@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedjax_mm.core.client import client_uniform
+
 Array = jax.Array
 PyTree = Any
 PathPredicate = Callable[[tuple[Any, ...]], bool]
@@ -113,6 +115,8 @@ def fedavg(
 def sample_clients(key: Array, client_mask: Array, num: int) -> Array:
   """``bool [K]``: ``num`` participants drawn uniformly among valid clients.
 
+  The draw is :func:`client_uniform`'s, so padding clients change no choice.
+
   Args:
     key: PRNG key of this round.
     client_mask: ``bool [K]`` valid (non-padding) clients.
@@ -122,7 +126,7 @@ def sample_clients(key: Array, client_mask: Array, num: int) -> Array:
   Returns:
     ``bool [K]`` participation mask.
   """
-  scores = jnp.where(client_mask, jax.random.uniform(key, client_mask.shape), -1.0)
+  scores = jnp.where(client_mask, client_uniform(key, client_mask), -1.0)
   num = min(num, client_mask.shape[0])
   threshold = jax.lax.top_k(scores, num)[0][-1]
   return client_mask & (scores >= threshold)
