@@ -104,8 +104,9 @@ def client_uniform(key: Array, client_mask: Array) -> Array:
   first entries do not depend on ``K`` (JAX's partitionable threefry), so
   padding clients, wherever they sit (after each of several groups, say), move
   no valid client's draw: a padded run draws what the unpadded one draws.
-  Padding clients (:meth:`ClientData.pad`) get some valid client's value; callers mask them out. With
-  every client valid it is ``uniform(key, [K])`` itself.
+  Padding clients (:meth:`ClientData.pad`) get some valid client's value;
+  callers mask them out. With every client valid it is ``uniform(key, [K])``
+  itself.
   """
   client_mask = jnp.asarray(client_mask, bool)
   rank = jnp.maximum(jnp.cumsum(client_mask) - 1, 0)

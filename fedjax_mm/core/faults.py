@@ -169,7 +169,7 @@ def draw(
     client_mask: ``bool [K]`` the real clients, when padding clients may sit
       anywhere (several padded groups concatenated): every draw is then
       indexed by a client's rank among the real ones
-      (:func:`fedjax_mm.server.aggregate.client_uniform`), so the padding
+      (:func:`fedjax_mm.core.client_uniform`), so the padding
       changes none. None: by position (padding, if any, at the end).
 
   Returns:
