@@ -7,9 +7,13 @@ import re
 import shutil
 
 import experiment_main
+import jax
+import numpy as np
 import pytest
+import rounding
 
 from experiments import rcsr as rcsr_config
+from fedjax_mm.core import cost
 from fedjax_mm.runner import rcsr as runner
 from fedjax_mm.runner.errors import ConfigError
 
@@ -23,6 +27,8 @@ from fedjax_mm.runner.errors import ConfigError
     ("methods", ("rcsr", "fedsgd"), "unknown ['fedsgd']"),
     ("public_size", 0, "public_size must be >= 1"),
     ("public_size", 40, "global_test + public_size must be <= 40"),
+    ("devices", 3, "devices (3) must divide the 2 clients a round trains"),
+    ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -38,6 +44,30 @@ def test_validate_creamfl_ema(ema):
   config.rcsr.creamfl_ema = ema
   with pytest.raises(ConfigError, match=re.escape("rcsr.creamfl_ema must be in [0, 1)")):
     runner.validate(config)
+
+
+def test_devices_split_the_sampled_clients_and_change_no_result():
+  """``config.devices=2``: the round's 2 sampled clients train one per device (the loop
+  over clients, outermost in the round, has length 1 where one device loops over both) on
+  a replicated state, and two rounds give the shared model, the personal adapters and the
+  metrics of one device (float rounding apart)."""
+  outcomes = {}
+  for devices in (1, 2):
+    config = rcsr_config.get_config("smoke")
+    config.methods = ("rcsr",)
+    config.client_map = "scan"  # a loop over clients on one device too
+    config.devices = devices
+    exp = runner.experiment(config)
+    state = exp.init()["rcsr"]
+    round_fn = exp.methods["rcsr"]
+    for _ in range(2):
+      state, out = round_fn(state)
+    (client_loop, *_) = cost.equations(jax.make_jaxpr(round_fn)(state), "scan")
+    outcomes[devices] = (state.params, state.personal, out, client_loop.params["length"])
+  assert {len(x.sharding.device_set) for x in jax.tree.leaves(outcomes[2][0])} == {2}
+  assert outcomes[1][3] == 2 and outcomes[2][3] == 1
+  numbers = lambda o: jax.tree.map(np.asarray, o[:3])
+  rounding.assert_close(numbers(outcomes[2]), numbers(outcomes[1]))
 
 
 def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):

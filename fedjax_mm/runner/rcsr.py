@@ -31,12 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fedjax_mm import core
 from fedjax_mm.algorithms import rcsr as alg
+from fedjax_mm.core.sharding import replicated
 from fedjax_mm.data import partition, world
 from fedjax_mm.models import image as image_models
 from fedjax_mm.models import pretrained
 from fedjax_mm.models import text as text_models
-from fedjax_mm.runner import loop
+from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
@@ -53,10 +55,17 @@ def validate(config) -> None:
     raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
   if not (0.0 < float(config.participation) <= 1.0):
     raise ConfigError(f"participation must be in (0, 1], got {config.participation}.")
-  if int(float(config.participation) * int(config.num_clients)) < 1:
+  per_round = int(float(config.participation) * int(config.num_clients))
+  if per_round < 1:
     raise ConfigError(
       f"participation * num_clients must be >= 1 (one client per round), got "
       f"{config.participation} * {config.num_clients}."
+    )
+  devices = validation.check_devices(config)
+  if per_round % devices:
+    raise ConfigError(
+      f"devices ({devices}) must divide the {per_round} clients a round trains "
+      f"(floor(participation * num_clients)): each device trains an equal share."
     )
   unknown = [m for m in config.methods if m not in alg.METHODS]
   if unknown or not config.methods:
@@ -232,8 +241,21 @@ def experiment(config) -> loop.Experiment:
     public=setup["public"],
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
+  # config.devices > 1: the state and the data replicated over a mesh of that many
+  # devices, and the round traced with it in context, so each device trains its share of
+  # the round's sampled clients (core.map_clients); the rest of the round is replicated.
+  devices = validation.check_devices(config)
+  mesh = core.local_mesh(devices)
+  if devices > 1:
+    state0 = core.replicate(state0, mesh)
 
   def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
+    if devices > 1:  # traced with the mesh in context: the sampled clients split over it
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream)
+    return _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream)
+
+  def _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream):
     s, out = round_fn(
       meth,
       s,
@@ -259,6 +281,8 @@ def experiment(config) -> loop.Experiment:
     round_and_check,
     donate_argnums=1,
     static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
+    # On several devices the state stays replicated from round to round.
+    **({} if devices == 1 else {"out_shardings": (replicated(mesh), None)}),
   )
 
   def step(m):
