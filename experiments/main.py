@@ -16,7 +16,7 @@ with no arguments (Cloud TPU, SLURM and other clusters JAX detects), or with
 Process 0 writes the workdir; see ``fedjax_mm.runner.loop``.
 
 Several devices of one process: a config's ``devices=N`` spreads each group's
-clients over the first N devices (the FedSCMR, CreamFL and RCSR runners).
+clients over the first N devices (every runner but FedMuscle's).
 On a CPU, ``--cpu_devices=N`` first makes N XLA devices of it, so each runs its
 share of the clients as its own compiled loop.
 """

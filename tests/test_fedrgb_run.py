@@ -1,14 +1,17 @@
 """The FedRGB command end to end: validation (exit 2), the smoke run, resume."""
 
+import collections
 import json
 import re
 import shutil
 
 import experiment_main
+import jax
 import numpy as np
 import pytest
 
 from experiments import fedrgb as fedrgb_config
+from fedjax_mm.core import cost
 from fedjax_mm.runner import fedrgb as runner
 from fedjax_mm.runner.errors import ConfigError
 
@@ -28,6 +31,8 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedmae.weight", -1.0, "fedmae.weight must be a finite number >= 0"),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
+    ("devices", 2, "devices (2) must divide num_clients (3)"),
+    ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
     ("text_encoder", "vit_t", "text_encoder: unknown text encoder 'vit_t'"),
     ("distortion.steps", -1, "distortion.steps >= 0"),
     ("distortion.retrain", ("own", "full"), "distortion.retrain: each of ['own', 'task']"),
@@ -70,6 +75,33 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and "fedrgb.rho" in lines[0], err[-2000:]
   assert not (tmp_path / "run").exists()
+
+
+def test_devices_split_the_clients():
+  """``config.devices=2`` with 4 clients: every loop over the 4 clients (stage 1, the DRO
+  losses, stage 2) runs over 2 on each device, on a replicated state, and the round's
+  losses and DRO weights are one device's up to float rounding (the parameters then
+  differ by Adam's amplified rounding, as CreamFL's do: see the README)."""
+  outcomes = {}
+  for devices in (1, 2):
+    config = fedrgb_config.get_config("smoke")
+    config.methods = ("fedrgb",)
+    config.num_clients = 4
+    config.client_map = "scan"  # a loop over clients on one device too
+    config.devices = devices
+    exp = runner.experiment(config)
+    state = exp.init()["fedrgb"]
+    round_fn = exp.methods["fedrgb"]
+    loops = cost.equations(jax.make_jaxpr(round_fn)(state), "scan")
+    state, out = round_fn(state)
+    lengths = collections.Counter(e.params["length"] for e in loops)
+    outcomes[devices] = (state, out, lengths)
+  (_, one, on_one), (state, two, on_two) = outcomes[1], outcomes[2]
+  assert {len(x.sharding.device_set) for x in jax.tree.leaves(state["rgb"].encoder)} == {2}
+  split = on_one[4] - on_two[4]
+  assert split >= 3 and on_two[2] - on_one[2] == split and on_one.total() == on_two.total()
+  for key in ("stage1_loss", "stage2_loss", "dro_loss_start", "weights"):
+    np.testing.assert_allclose(two[key], one[key], rtol=1e-4)
 
 
 def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):

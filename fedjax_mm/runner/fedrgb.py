@@ -78,11 +78,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_mm import losses, metrics, models
+from fedjax_mm import core, losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.algorithms import fedrgb_eval
+from fedjax_mm.core.sharding import replicated
 from fedjax_mm.data import partition, world
-from fedjax_mm.runner import loop
+from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
@@ -167,6 +168,12 @@ def validate(config) -> None:
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
   if int(config.num_clients) < 2:
     raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
+  devices = validation.check_devices(config)
+  if int(config.num_clients) % devices:
+    raise ConfigError(
+      f"devices ({devices}) must divide num_clients ({config.num_clients}): each device "
+      "trains an equal share of the clients."
+    )
   if not float(config.dirichlet_alpha) > 0:
     raise ConfigError(f"dirichlet_alpha must be > 0, got {config.dirichlet_alpha}.")
   for key in (
@@ -447,16 +454,33 @@ def experiment(config) -> loop.Experiment:
   gallery = int(config.gallery)
   train, mask, test, ood = setup["train"], setup["mask"], setup["test"], setup["ood"]
 
+  # config.devices > 1: the states replicated over a mesh of that many devices, and the
+  # rounds traced with it in context, so each device trains its share of the clients
+  # (core.map_clients); the rest of a round (the server, the DRO teacher) is replicated.
+  devices = validation.check_devices(config)
+  mesh = core.local_mesh(devices)
+  if devices > 1:
+    states0 = {m: core.replicate(s, mesh) for m, s in states0.items()}
+
   # Each method's loop state is {"rgb": RgbState, "row": its index in ``methods``}: the row
   # tells evaluate which algorithm's client update retrains it (distortion).
   def round_and_check(a, s):
+    if devices > 1:
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _round_and_check(a, s)
+    return _round_and_check(a, s)
+
+  def _round_and_check(a, s):
     rgb, out = a.round(s["rgb"], train, mask)
     leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
+  # On several devices the state stays replicated from round to round.
+  pinned = {} if devices == 1 else {"out_shardings": (replicated(mesh), None)}
   rounds = {
-    m: jax.jit(functools.partial(round_and_check, algorithms[m]), donate_argnums=0) for m in methods
+    m: jax.jit(functools.partial(round_and_check, algorithms[m]), donate_argnums=0, **pinned)
+    for m in methods
   }
 
   # The loop hands evaluate a state alone; a Local state holds the K models stacked (one more
