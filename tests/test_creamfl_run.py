@@ -115,8 +115,8 @@ def test_padding_clients_change_no_draw_and_no_result(monkeypatch):
       [plain[m][k] for k in ("server", "groups", "losses")],
     )
     for other in (padded, spread):
-      chex_equal = jax.tree.map(np.array_equal, other[m]["masks"], plain[m]["masks"])
-      assert all(jax.tree.leaves(chex_equal))
+      same = jax.tree.map(np.array_equal, other[m]["masks"], plain[m]["masks"])
+      assert all(jax.tree.leaves(same))
       assert all(np.array_equal(a, b) for a, b in zip(other[m]["traffic"], plain[m]["traffic"], strict=True))  # fmt: skip
     params = spread[m]["state"].groups[0].params
     assert {(x.shape[0], len(x.sharding.device_set)) for x in jax.tree.leaves(params)} == {(2, 2)}

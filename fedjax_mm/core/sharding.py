@@ -149,11 +149,24 @@ def jit_round(round_fn: Any, state: Any = None, *, donate: bool = True) -> Any:
   if len(meshes) > 1:
     raise ValueError(f"state is placed on {len(meshes)} different meshes; place it on one.")
 
-  @functools.wraps(round_fn)
-  def traced(*args, **kwargs):
-    if not meshes or not jax.sharding.get_abstract_mesh().empty:  # a mesh set by the caller wins
-      return round_fn(*args, **kwargs)
-    with jax.sharding.use_abstract_mesh(next(iter(meshes)).abstract_mesh):
-      return round_fn(*args, **kwargs)
-
+  traced = traced_in(next(iter(meshes)), round_fn) if meshes else round_fn
   return jax.jit(traced, out_shardings=(shardings, None), donate_argnums=(0,) if donate else ())
+
+
+def traced_in(mesh: Mesh, fn: Any) -> Any:
+  """``fn``, traced with ``mesh`` in context (a mesh the caller set wins).
+
+  Under ``jax.jit``, :func:`fedjax_mm.core.map_clients` inside ``fn`` then runs
+  a compiled loop over clients as one loop per device of the mesh's
+  ``clients`` axis. :func:`jit_round` uses it; so do the runners whose state is
+  replicated rather than split (RCSR, FedRGB).
+  """
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    if not jax.sharding.get_abstract_mesh().empty:
+      return fn(*args, **kwargs)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return traced

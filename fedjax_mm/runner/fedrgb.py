@@ -81,7 +81,7 @@ import numpy as np
 from fedjax_mm import core, losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.algorithms import fedrgb_eval
-from fedjax_mm.core.sharding import replicated
+from fedjax_mm.core.sharding import replicated, traced_in
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
@@ -465,23 +465,19 @@ def experiment(config) -> loop.Experiment:
   # Each method's loop state is {"rgb": RgbState, "row": its index in ``methods``}: the row
   # tells evaluate which algorithm's client update retrains it (distortion).
   def round_and_check(a, s):
-    if devices > 1:
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return _round_and_check(a, s)
-    return _round_and_check(a, s)
-
-  def _round_and_check(a, s):
     rgb, out = a.round(s["rgb"], train, mask)
     leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
-  # On several devices the state stays replicated from round to round.
-  pinned = {} if devices == 1 else {"out_shardings": (replicated(mesh), None)}
-  rounds = {
-    m: jax.jit(functools.partial(round_and_check, algorithms[m]), donate_argnums=0, **pinned)
-    for m in methods
-  }
+  def jitted_round(m):
+    fn = functools.partial(round_and_check, algorithms[m])
+    if devices == 1:
+      return jax.jit(fn, donate_argnums=0)
+    # Traced with the mesh in context; the state stays replicated from round to round.
+    return jax.jit(traced_in(mesh, fn), donate_argnums=0, out_shardings=(replicated(mesh), None))
+
+  rounds = {m: jitted_round(m) for m in methods}
 
   # The loop hands evaluate a state alone; a Local state holds the K models stacked (one more
   # axis), and FedRGB's and FedAvg's are evaluated alike, so the shape tells which it is.

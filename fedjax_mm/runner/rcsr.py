@@ -33,7 +33,7 @@ from flax import nnx
 
 from fedjax_mm import core
 from fedjax_mm.algorithms import rcsr as alg
-from fedjax_mm.core.sharding import replicated
+from fedjax_mm.core.sharding import replicated, traced_in
 from fedjax_mm.data import partition, world
 from fedjax_mm.models import image as image_models
 from fedjax_mm.models import pretrained
@@ -241,21 +241,15 @@ def experiment(config) -> loop.Experiment:
     public=setup["public"],
   )
   round_fn = functools.partial(alg.round_step, spec, frozen)
-  # config.devices > 1: the state and the data replicated over a mesh of that many
-  # devices, and the round traced with it in context, so each device trains its share of
-  # the round's sampled clients (core.map_clients); the rest of the round is replicated.
+  # config.devices > 1: the state replicated over a mesh of that many devices, and the
+  # round traced with it in context (traced_in), so each device trains its share of the
+  # round's sampled clients (core.map_clients); the rest of the round is replicated.
   devices = validation.check_devices(config)
   mesh = core.local_mesh(devices)
   if devices > 1:
     state0 = core.replicate(state0, mesh)
 
   def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
-    if devices > 1:  # traced with the mesh in context: the sampled clients split over it
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream)
-    return _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream)
-
-  def _round_and_check(meth, s, moon, fedper, mfcpl, mekt, cream):
     s, out = round_fn(
       meth,
       s,
@@ -278,7 +272,7 @@ def experiment(config) -> loop.Experiment:
   # their own, MFCPL (class prototypes), FedMEKT (the proxy set) and CreamFL (the public
   # set's representations) have their own.
   round_jit = jax.jit(
-    round_and_check,
+    round_and_check if devices == 1 else traced_in(mesh, round_and_check),
     donate_argnums=1,
     static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
     # On several devices the state stays replicated from round to round.
