@@ -108,8 +108,9 @@ def get_config(arg=None):
   # How the engine batches a group's clients: auto (vmap on accelerators and
   # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
   config.client_map = "auto"
-  # Devices of this process each group's clients are spread over (padded to a multiple);
-  # on a CPU, make them with experiments.main --cpu_devices=N.
+  # Devices of each process each group's clients are spread over (padded to a multiple;
+  # in a job of several processes, over that many devices of every process); on a CPU,
+  # make them with experiments.main --cpu_devices=N.
   config.devices = 1
   config.rounds = 12
   config.eval_every = 4

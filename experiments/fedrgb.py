@@ -37,8 +37,9 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.client_map = "auto"
-  # Devices of this process the clients are spread over (they must divide num_clients);
-  # on a CPU, make them with experiments.main --cpu_devices=N.
+  # Devices of each process the clients are spread over (devices times the processes of
+  # the job must divide num_clients); on a CPU, make them with experiments.main
+  # --cpu_devices=N.
   config.devices = 1
   config.methods = ("fedavg", "local", "centralised", "fedema", "fedx", "fedmae", "fedrgb")
   config.rounds = 10

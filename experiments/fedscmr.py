@@ -66,8 +66,8 @@ def get_config(arg=None):
   # How the engine batches a group's clients: auto (vmap on accelerators and
   # meshes, a compiled loop on one CPU device), vmap, scan or map:<k>.
   config.client_map = "auto"
-  # Devices of this process the clients are spread over (padded to a multiple); on a
-  # CPU, XLA exposes one device unless jax_num_cpu_devices is set before the first
+  # Devices of each process the clients are spread over (padded to a multiple; in a job
+  # of several processes, over that many devices of every process); on a CPU, XLA exposes one device unless jax_num_cpu_devices is set before the first
   # computation (experiments.main --cpu_devices).
   config.devices = 1
   config.rounds = 20

@@ -15,8 +15,9 @@ with no arguments (Cloud TPU, SLURM and other clusters JAX detects), or with
 ``--coordinator=HOST:PORT --num_processes=N --process_id=I`` passed through.
 Process 0 writes the workdir; see ``fedjax_mm.runner.loop``.
 
-Several devices of one process: a config's ``devices=N`` spreads each group's
-clients over the first N devices (every runner but FedMuscle's).
+Several devices: a config's ``devices=N`` spreads each group's clients over the
+first N devices of each process (every runner but FedMuscle's), so a job of P
+processes trains them on N * P devices, each process its share.
 On a CPU, ``--cpu_devices=N`` first makes N XLA devices of it, so each runs its
 share of the clients as its own compiled loop.
 """

@@ -38,9 +38,9 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.client_map = "auto"
-  # Devices of this process a round's sampled clients are spread over (they must divide
-  # floor(participation * num_clients)); on a CPU, make them with experiments.main
-  # --cpu_devices=N.
+  # Devices of each process a round's sampled clients are spread over (devices times the
+  # processes of the job must divide floor(participation * num_clients)); on a CPU, make
+  # them with experiments.main --cpu_devices=N.
   config.devices = 1
   config.methods = ("fedavg", "fedprox", "rcsr", "rcsr_p")
   config.rounds = 20

@@ -3,7 +3,8 @@
   python tests/distributed_worker.py PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT OUT.npz
 
 Every process builds the same group and data from the same seeds, places them
-on the global ``clients`` mesh (each process supplies its own devices' slices),
+on the ``clients`` mesh over every process's devices (``core.job_mesh``; each
+process supplies, and holds, its own devices' slices),
 runs one FedAvg round with client sampling, gathers the result and writes it.
 """
 
@@ -29,6 +30,7 @@ from engine_toys import client_arrays, make_group  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from fedjax_mm import algorithms, core  # noqa: E402
+from fedjax_mm.core import processes  # noqa: E402
 
 assert jax.device_count() == num_processes * devices, jax.devices()
 sizes = (3, 7, 2, 9, 4, 6, 5, 8)
@@ -37,14 +39,33 @@ arrays, mask = client_arrays(0, sizes)
 data = core.make_client_data(arrays, mask, user_ids=np.arange(len(sizes)))
 alg = algorithms.fedavg([group], clients_per_round=5)
 
-mesh = core.client_mesh()
+# The runners' mesh: the first `devices` devices of every process, here all of them.
+mesh = core.job_mesh(devices)
+assert list(mesh.devices.flat) == jax.devices(), mesh
 fed_state = alg.init([state], jax.random.key(1)).place(mesh)
 data = data.place(mesh)
+# Each process holds only its own devices' clients: 8 / (processes * devices) each.
+for leaf in jax.tree.leaves(fed_state.groups[0].params):
+  shards = leaf.addressable_shards
+  assert len(shards) == devices, shards
+  assert all(s.data.shape[0] == len(sizes) // jax.device_count() for s in shards), shards
 round_fn = core.jit_round(alg.round, fed_state, donate=False)
 for _ in range(2):
   fed_state, stats = round_fn(fed_state, [data])
-params = multihost_utils.process_allgather(fed_state.groups[0].params, tiled=True)
-active = multihost_utils.process_allgather(stats["tiny"]["active"], tiled=True)
+# What the runners read on the host: split leaves gathered whole (NumPy), replicated ones
+# as this process's copy, typed keys as keys; with one process, the tree itself.
+params, active, keys, server = processes.gather(
+  (fed_state.groups[0].params, stats["tiny"]["active"], fed_state.groups[0].rng, fed_state.round)
+)
+if num_processes > 1:
+  assert isinstance(active, np.ndarray) and active.shape == (len(sizes),), active
+  assert isinstance(server, jax.Array) and server.is_fully_addressable, server.sharding
+  assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) and keys.shape == (len(sizes),)
+expected = multihost_utils.process_allgather(
+  jax.random.key_data(fed_state.groups[0].rng), tiled=True
+)
+np.testing.assert_array_equal(jax.random.key_data(keys), expected)
+assert int(server) == 2
 leaves = {
   "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
   for path, v in jax.tree_util.tree_leaves_with_path(params)

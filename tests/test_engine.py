@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from fedjax_mm import algorithms, core, server
 from fedjax_mm import data as data_lib
 from fedjax_mm.algorithms import creamfl
-from fedjax_mm.core import cost
+from fedjax_mm.core import cost, processes
 from fedjax_mm.core import faults as faults_lib
 
 SIZES = (5, 11, 1, 8)
@@ -275,6 +275,12 @@ def test_padding_appends_clients_that_hold_nothing():
   with pytest.raises(ValueError, match="asked for 9 devices, this process has 8"):
     core.local_mesh(9)
   assert core.local_mesh(2).devices.tolist() == jax.local_devices()[:2]
+  # One process: the runners' mesh is this process's (two processes: tests/test_distributed.py).
+  assert core.job_mesh(2).devices.tolist() == jax.local_devices()[:2]
+  with pytest.raises(ValueError, match="asked for 9 devices, this process has 8"):
+    core.job_mesh(9)
+  tree = {"a": jnp.ones(3), "b": np.zeros(2)}
+  assert processes.gather(tree) is tree  # One process: nothing to gather.
 
 
 def test_round_compiles_once():

@@ -22,6 +22,7 @@ from fedjax_mm.core.client import (
 from fedjax_mm.core.sharding import (
   client_mesh,
   jit_round,
+  job_mesh,
   local_mesh,
   padded_size,
   replicate,
@@ -43,6 +44,7 @@ __all__ = [
   "finite_per_client",
   "init_group",
   "jit_round",
+  "job_mesh",
   "local_mesh",
   "local_update",
   "make_client_data",

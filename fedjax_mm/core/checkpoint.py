@@ -64,11 +64,13 @@ Guarantees and choices:
   mismatch. CRC-32 detects accidental damage (disk, copy, truncation), not
   tampering, at about 4 GB/s. Steps written before checksums existed (Orbax's
   step metadata lists no ``checksums`` item) are read unverified. Leaves not fully addressable by this
-  process (multi-host arrays) are not checksummed.
+  process (arrays on several processes' devices: the runners' states in a job of several
+  processes, :func:`~fedjax_mm.core.sharding.job_mesh`) are not checksummed: a CRC of
+  their global value would gather every client's state to every host at each save.
 * **Several processes** (``jax.distributed``): every process calls
   :meth:`~Checkpointer.save` and the restores, as Orbax requires, and Orbax writes
-  each array once. An array that lives on this process's devices only (the
-  experiments compute the whole run in every process, on
+  each array once. An array that lives on this process's devices only (FedMuscle's
+  runner computes the whole run in every process, on
   :func:`~fedjax_mm.core.sharding.local_mesh`) is taken to be the same on every
   process: it is saved as one array replicated over the first device of every
   process (Orbax refuses process-local arrays), and a target leaf placed on this

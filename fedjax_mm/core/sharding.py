@@ -49,14 +49,13 @@ def client_mesh(num_devices: int | None = None) -> Mesh:
 def local_mesh(num_devices: int = 1) -> Mesh:
   """A ``clients`` mesh over this process's first ``num_devices`` devices.
 
-  The experiments' runners place their clients on it (``config.devices``). With
-  one process, ``local_mesh(n)`` is ``client_mesh(n)``. In a job of several
-  processes (``jax.distributed``) each process gets its own: every process
-  computes the whole run on its own devices, from the same seeds, so all hold
-  the same arrays (process 0 writes the files, :mod:`fedjax_mm.core.processes`;
-  the checkpoints store them once, :mod:`fedjax_mm.core.checkpoint`).
-  ``client_mesh`` would instead name process 0's devices, which no other
-  process can address.
+  FedMuscle's runner places its users on ``local_mesh()``. With one process,
+  ``local_mesh(n)`` is ``client_mesh(n)``. In a job of several processes
+  (``jax.distributed``) each process gets its own: every process computes the
+  whole run on its own devices, from the same seeds, so all hold the same arrays
+  (process 0 writes the files, :mod:`fedjax_mm.core.processes`; the checkpoints
+  store them once, :mod:`fedjax_mm.core.checkpoint`). The other runners use
+  :func:`job_mesh`, which spreads the clients over every process.
   """
   devices = jax.local_devices()
   if not 1 <= num_devices <= len(devices):
@@ -66,6 +65,28 @@ def local_mesh(num_devices: int = 1) -> Mesh:
   return jax.make_mesh(
     (num_devices,), (CLIENTS,), axis_types=(AxisType.Auto,), devices=devices[:num_devices]
   )
+
+
+def job_mesh(num_devices: int = 1) -> Mesh:
+  """A ``clients`` mesh over the first ``num_devices`` devices of every process.
+
+  The experiments' runners place their clients on it (``config.devices``, a count
+  per process). With one process it is :func:`local_mesh`. In a job of several
+  processes (``jax.distributed``) it spans ``num_devices * process_count``
+  devices, process 0's first: each process holds, and trains, its share of every
+  group's clients; what every process must read whole (a round's outputs, an
+  evaluation) is gathered with :func:`fedjax_mm.core.processes.gather`.
+  """
+  local_mesh(num_devices)  # The same check, on this process's devices.
+  if jax.process_count() == 1:
+    return local_mesh(num_devices)
+  devices = [
+    d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:num_devices]
+  ]
+  if len(devices) != num_devices * jax.process_count():
+    have = sorted({len(jax.local_devices(process_index=p)) for p in range(jax.process_count())})
+    raise ValueError(f"asked for {num_devices} devices of every process; some have fewer ({have}).")
+  return jax.make_mesh((len(devices),), (CLIENTS,), axis_types=(AxisType.Auto,), devices=devices)
 
 
 def padded_size(num_clients: int, mesh: Mesh) -> int:

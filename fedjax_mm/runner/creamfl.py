@@ -103,6 +103,7 @@ from flax import nnx
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg, vqa
 from fedjax_mm.core import ledger as ledger_lib
+from fedjax_mm.core import processes
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop, validation
@@ -950,7 +951,7 @@ def experiment(config) -> loop.Experiment:
   # Each group's clients, padded to a multiple of the mesh's devices: padding clients
   # hold no samples, are never selected (draws by rank among the real clients) and are
   # sliced off every per-client output (real()).
-  mesh = core.local_mesh(validation.check_devices(config))
+  mesh = core.job_mesh(validation.check_devices(config))
   nums = [config.clients[name].num for name in GROUPS]
   padded = [core.padded_size(n, mesh) for n in nums]
 
@@ -966,11 +967,13 @@ def experiment(config) -> loop.Experiment:
   fed = creamfl.creamfl(clients, server, cc, faults=validation.check_faults(config))
   local = creamfl.server_only(server, cc)
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
-  # Traced with the mesh in context: a compiled loop over clients runs per device.
-  fed_step = core.jit_round(lambda s, v: fed.round(s, fed_data, public, v))
+  # Traced with the mesh in context: a compiled loop over clients runs per device. The
+  # clients' data are an argument: no jitted function may close over an array split over
+  # several processes (job_mesh).
+  fed_step = core.jit_round(lambda s, d, v: fed.round(s, d, public, v))
   local_step = core.jit_round(lambda s: local.round(s, public))
   variants = {m: creamfl.variant(**ROWS[m]) for m in methods if m in ROWS}
-  rounds = {m: functools.partial(fed_step, v=variants[m]) for m in variants}
+  rounds = {m: functools.partial(fed_step, d=fed_data, v=variants[m]) for m in variants}
   if LOCAL in methods:
     rounds[LOCAL] = local_step
   inits = {m: lambda: fed.init(server_params, states, init_key) for m in methods}
@@ -989,10 +992,11 @@ def experiment(config) -> loop.Experiment:
     )
     avg_states = pad(avg_states)
     avg = creamfl_fedavg.fedavg_towers(avg_clients, cc)
-    avg_step = core.jit_round(lambda s, f: avg.round(s, avg_data, f))
+    avg_step = core.jit_round(lambda s, d, f: avg.round(s, d, f))
     for m, iot in PARAMETER_ROWS.items():
       if m in methods:
-        rounds[m] = functools.partial(avg_step, f=jnp.float32(cc.iot_weight if iot else 1.0))
+        weight = jnp.float32(cc.iot_weight if iot else 1.0)
+        rounds[m] = functools.partial(avg_step, d=avg_data, f=weight)
         inits[m] = lambda: avg.init(server_params, avg_states, init_key)
     avg_up = _tower_bytes(server_params, avg_clients, config)
   rounds = {m: rounds[m] for m in methods}
@@ -1024,14 +1028,15 @@ def experiment(config) -> loop.Experiment:
   def evaluate(s) -> dict[str, dict[str, float]]:
     """``{size label: recall, ...}`` on the public-distribution test, ``"private"`` too if any;
     after the last round also ``"vqa"`` (:func:`vqa_accuracy`), when ``vqa.enabled``."""
-    public = recall_of(s.server_params, test["public"], folds)
+    params = processes.gather(s.server_params)  # This process's copy, in a job of several.
+    public = recall_of(params, test["public"], folds)
     out = {size_label(n): r for n, r in zip(sizes, public, strict=True)}
     if "private" in test:
-      out["private"] = recall_of(s.server_params, test["private"], [None])[0]
+      out["private"] = recall_of(params, test["private"], [None])[0]
     # The state's own round count says whether this is the final server, so a rerun of a
     # finished run (the loop evaluates it anew) gets its VQA entry too.
     if qa is not None and int(s.round) == config.rounds:
-      out["vqa"] = vqa_accuracy(config, server.graphdef, s.server_params, qa)
+      out["vqa"] = vqa_accuracy(config, server.graphdef, params, qa)
     return out
 
   def nonfinite(out) -> list[str]:

@@ -81,6 +81,7 @@ import numpy as np
 from fedjax_mm import core, losses, metrics, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.algorithms import fedrgb_eval
+from fedjax_mm.core import processes
 from fedjax_mm.core.sharding import replicated, traced_in
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import loop, validation
@@ -168,10 +169,10 @@ def validate(config) -> None:
     raise ConfigError(f"learning_rate must be a finite number > 0, got {config.learning_rate}.")
   if int(config.num_clients) < 2:
     raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
-  devices = validation.check_devices(config)
-  if int(config.num_clients) % devices:
+  size, named = validation.mesh_size(config)
+  if int(config.num_clients) % size:
     raise ConfigError(
-      f"devices ({devices}) must divide num_clients ({config.num_clients}): each device "
+      f"{named} must divide num_clients ({config.num_clients}): each device "
       "trains an equal share of the clients."
     )
   if not float(config.dirichlet_alpha) > 0:
@@ -457,8 +458,8 @@ def experiment(config) -> loop.Experiment:
   # config.devices > 1: the states replicated over a mesh of that many devices, and the
   # rounds traced with it in context, so each device trains its share of the clients
   # (core.map_clients); the rest of a round (the server, the DRO teacher) is replicated.
-  devices = validation.check_devices(config)
-  mesh = core.local_mesh(devices)
+  mesh = core.job_mesh(validation.check_devices(config))
+  devices = mesh.size  # Every process's devices, in a job of several.
   if devices > 1:
     states0 = {m: core.replicate(s, mesh) for m, s in states0.items()}
 
@@ -519,7 +520,9 @@ def experiment(config) -> loop.Experiment:
       seen[a] = retrain
       d = {
         n: np.asarray(v, np.float64)
-        for n, v in distortion_jit(a, s.encoder, s.aligner, s.teacher, s.decoder).items()
+        for n, v in processes.gather(
+          distortion_jit(a, s.encoder, s.aligner, s.teacher, s.decoder)
+        ).items()
       }
       out[retrain] = {
         "matrix": d["matrix"].tolist(),
@@ -565,7 +568,7 @@ def experiment(config) -> loop.Experiment:
     return jax.vmap(one)(labels, test_labels, valid)
 
   def downstream(encoder, aligner) -> dict[str, dict[str, float]]:
-    acc = np.asarray(finetune_jit(encoder, aligner))  # [tasks, fractions]
+    acc = np.asarray(processes.gather(finetune_jit(encoder, aligner)))  # [tasks, fractions]
     return {
       t: {fraction_label(f): float(v) for f, v in zip(fractions, acc[i], strict=True)}
       for i, t in enumerate(tasks)
@@ -594,13 +597,14 @@ def experiment(config) -> loop.Experiment:
     )
 
   def segmentation(encoder, aligner) -> dict[str, float]:
-    dice = np.asarray(segment_jit(encoder, aligner))  # [fractions]
+    dice = np.asarray(processes.gather(segment_jit(encoder, aligner)))  # [fractions]
     return {fraction_label(f): 100.0 * float(v) for f, v in zip(fractions, dice, strict=True)}
 
   def evaluate(loop_state) -> dict[str, Any]:
     s, m = loop_state["rgb"], methods[int(loop_state["row"])]
     local = jax.tree.leaves(s.aligner)[0].ndim > unstacked_ndim
-    own, shifted = evaluate_jit(local, s.encoder, s.aligner)
+    # Run on the state's mesh, read whole here (gathered, in a job of several processes).
+    own, shifted = processes.gather(evaluate_jit(local, s.encoder, s.aligner))
     own = {name: np.asarray(v, np.float64) for name, v in own.items()}
     out = {
       "mean": {name: float(v.mean()) for name, v in own.items()},

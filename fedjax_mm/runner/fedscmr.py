@@ -66,6 +66,7 @@ from flax import nnx
 
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import fedscmr as alg_lib
+from fedjax_mm.core import processes
 from fedjax_mm.data.cross_modal import (
   PairedFeatures,
   class_demand,
@@ -531,7 +532,7 @@ def experiment(config) -> loop.Experiment:
   ns = tuple(int(n) for n in config.ns)
   # The clients, padded to a multiple of the mesh's devices (padding clients carry
   # client_mask False: no samples, no aggregation weight, sliced off every output).
-  mesh = core.local_mesh(validation.check_devices(config))
+  mesh = core.job_mesh(validation.check_devices(config))
   num_clients = core.padded_size(len(names), mesh)
   train, val, test = (d.pad(num_clients).place(mesh) for d in (setup.train, setup.val, setup.test))
   faults = validation.check_faults(config)
@@ -543,18 +544,24 @@ def experiment(config) -> loop.Experiment:
   chance = _chance(setup, ns, config.seed)
 
   def step(m):
-    def fn(s):
+    def fn(s, train, val):
       s, stats = algs[m].round(s, train, val)
       return s, stats | {"finite": core.finite_per_client(s.groups[0].params)}
 
-    # Traced with the mesh in context: a compiled loop over clients runs per device.
-    return core.jit_round(fn)
+    # Traced with the mesh in context: a compiled loop over clients runs per device. The
+    # data are arguments, not constants: a jitted function may not close over an array
+    # split over several processes (job_mesh).
+    jitted = core.jit_round(fn)
+    return lambda s: jitted(s, train, val)
 
   shared_mask = jnp.ones(setup.shared_test["label"].shape, bool)
-  evaluate_own = jax.jit(lambda s: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+  own_jit = jax.jit(lambda s, test: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
   evaluate_shared = jax.jit(
     lambda s: alg_lib.evaluate_shared(group, s.groups[0], setup.shared_test, shared_mask, ns=ns)
   )
+
+  def evaluate_own(s):
+    return own_jit(s, test)
 
   def per_client(values) -> dict[str, dict[str, float]]:
     values = {k: np.asarray(v) for k, v in values.items()}
@@ -562,7 +569,8 @@ def experiment(config) -> loop.Experiment:
 
   def evaluate(s) -> dict[str, dict[str, dict[str, float]]]:
     """``{"own" | "global": {client name: its metrics}}``."""
-    return {"own": per_client(evaluate_own(s)), "global": per_client(evaluate_shared(s))}
+    own, shared = processes.gather((evaluate_own(s), evaluate_shared(s)))
+    return {"own": per_client(own), "global": per_client(shared)}
 
   def scalars(r, outs, evals):
     rows = []

@@ -35,7 +35,9 @@ needs, in one place:
   the checkpoint carries them, so a resumed run continues the same counts.
 * **Several processes, one writer.** In a job started with
   ``jax.distributed.initialize()`` every process runs the whole loop (the
-  rounds, evaluations and Orbax checkpoints are collective), and only process 0
+  rounds, evaluations and Orbax checkpoints are collective; a system's clients
+  may be split over every process's devices, so each round's output is read
+  through :func:`fedjax_mm.core.processes.gather`), and only process 0
   (:func:`fedjax_mm.core.processes.is_primary`) writes: it takes the lock and
   prepares the workdir (:func:`~fedjax_mm.runner.workdir.claim_workdir`, which
   tells the others whether to resume), writes the metric lines, shows the
@@ -280,7 +282,8 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
     evaluating = done % experiment.eval_every == 0 or done == total
     outs, evals = {}, {}
     for m, round_fn in experiment.methods.items():
-      state[m], outs[m] = round_fn(state[m])
+      state[m], out = round_fn(state[m])
+      outs[m] = processes.gather(out)  # Clients on other processes' devices: read whole here.
       bad = experiment.nonfinite(outs[m])
       if bad:
         checkpointer.wait()  # The note names the step a relaunch resumes from, saves in flight included.

@@ -33,6 +33,7 @@ from flax import nnx
 
 from fedjax_mm import core
 from fedjax_mm.algorithms import rcsr as alg
+from fedjax_mm.core import processes
 from fedjax_mm.core.sharding import replicated, traced_in
 from fedjax_mm.data import partition, world
 from fedjax_mm.models import image as image_models
@@ -61,10 +62,10 @@ def validate(config) -> None:
       f"participation * num_clients must be >= 1 (one client per round), got "
       f"{config.participation} * {config.num_clients}."
     )
-  devices = validation.check_devices(config)
-  if per_round % devices:
+  size, named = validation.mesh_size(config)
+  if per_round % size:
     raise ConfigError(
-      f"devices ({devices}) must divide the {per_round} clients a round trains "
+      f"{named} must divide the {per_round} clients a round trains "
       f"(floor(participation * num_clients)): each device trains an equal share."
     )
   unknown = [m for m in config.methods if m not in alg.METHODS]
@@ -244,8 +245,8 @@ def experiment(config) -> loop.Experiment:
   # config.devices > 1: the state replicated over a mesh of that many devices, and the
   # round traced with it in context (traced_in), so each device trains its share of the
   # round's sampled clients (core.map_clients); the rest of the round is replicated.
-  devices = validation.check_devices(config)
-  mesh = core.local_mesh(devices)
+  mesh = core.job_mesh(validation.check_devices(config))
+  devices = mesh.size  # Every process's devices, in a job of several.
   if devices > 1:
     state0 = core.replicate(state0, mesh)
 
@@ -324,7 +325,8 @@ def experiment(config) -> loop.Experiment:
     return own, jax.lax.cond(s.method.fedper, mean_of_clients, shared)
 
   def evaluate(s) -> dict[str, Any]:
-    own, glob = evaluate_jit(s)
+    # Run on the state's mesh, read whole here (gathered, in a job of several processes).
+    own, glob = processes.gather(evaluate_jit(s))
     own = {k: np.asarray(v).tolist() for k, v in own.items()}
     r1 = np.asarray(own["R@1"])
     return {

@@ -347,11 +347,12 @@ def check_client_map(config: Any) -> str:
 
 
 def check_devices(config: Any) -> int:
-  """``config.devices`` (default 1), checked: how many of this process's devices run the clients.
+  """``config.devices`` (default 1), checked: how many of each process's devices run the clients.
 
-  The runner spreads each group's clients over a mesh of that many devices
-  (:func:`fedjax_mm.core.local_mesh`), padding the group to a multiple. It must
-  be an int from 1 to the devices this process has, else :class:`ConfigError`.
+  The runner spreads each group's clients over a mesh of that many devices of
+  every process (:func:`fedjax_mm.core.job_mesh`; :func:`mesh_size` in all),
+  padding the group to a multiple. It must be an int from 1 to the devices this
+  process has, else :class:`ConfigError`.
   """
   import jax  # only when validating
 
@@ -365,6 +366,22 @@ def check_devices(config: Any) -> int:
       f"process{hint}, got {value!r}."
     )
   return value
+
+
+def mesh_size(config: Any) -> tuple[int, str]:
+  """The devices the clients spread over, and how to name them in an error.
+
+  ``config.devices`` (checked by :func:`check_devices`) times the processes of
+  the job: ``(4, "devices (2) x processes (2) = 4")``, or ``(2, "devices (2)")``
+  in a job of one process.
+  """
+  import jax  # only when validating
+
+  devices, processes = check_devices(config), jax.process_count()
+  if processes == 1:
+    return devices, f"devices ({devices})"
+  size = devices * processes
+  return size, f"devices ({devices}) x processes ({processes}) = {size}"
 
 
 def check_faults(config: Any) -> Faults:
