@@ -34,6 +34,7 @@ from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: 
 #: so a slow file collected last (alphabetically, test_rcsr_*) can run alone at the end
 #: while the other process idles; handed out first, the short files fill in behind.
 SLOW_FIRST = (
+  "test_distributed_main.py",
   "test_rcsr_alg.py",
   "test_fedrgb_run.py",
   "test_rcsr_run.py",

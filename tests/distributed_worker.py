@@ -8,7 +8,9 @@ process supplies, and holds, its own devices' slices),
 runs one FedAvg round with client sampling, gathers the result and writes it.
 """
 
+import json
 import os
+import pathlib
 import sys
 
 process_id, num_processes, devices, port, out = sys.argv[1:]
@@ -25,12 +27,14 @@ if num_processes > 1:
     f"127.0.0.1:{port}", num_processes, process_id, initialization_timeout=120
   )
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from engine_toys import client_arrays, make_group  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from fedjax_mm import algorithms, core  # noqa: E402
 from fedjax_mm.core import processes  # noqa: E402
+from fedjax_mm.core.checkpoint import Checkpointer  # noqa: E402
 
 assert jax.device_count() == num_processes * devices, jax.devices()
 sizes = (3, 7, 2, 9, 4, 6, 5, 8)
@@ -70,6 +74,25 @@ leaves = {
   "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
   for path, v in jax.tree_util.tree_leaves_with_path(params)
 }
+
+# A checkpoint of the job's arrays: a leaf split over the processes is stored without a
+# CRC-32 (it would need a gather), one replicated over them with its copy's CRC-32, and
+# both restore onto their shardings.
+kernel = next(x for x in jax.tree.leaves(fed_state.groups[0].params) if x.ndim == 3)
+tree = {"split": kernel, "replicated": core.replicate(jnp.arange(6.0).reshape(2, 3), mesh)}
+with Checkpointer(pathlib.Path(out).parent / f"ckpt-{num_processes}") as checkpointer:
+  checkpointer.save(1, tree)
+  checkpointer.wait()
+  restored = checkpointer.restore(tree, 1)  # onto the shardings of the arrays saved
+  summed = json.loads((checkpointer.directory / "1" / "checksums" / "metadata").read_text())
+assert restored["split"].sharding == kernel.sharding, restored["split"].sharding
+np.testing.assert_array_equal(processes.gather(restored["split"]), processes.gather(kernel))
+np.testing.assert_array_equal(
+  processes.gather(restored["replicated"]), np.arange(6.0).reshape(2, 3)
+)
+expected = {"['replicated']", "['split']"} if num_processes == 1 else {"['replicated']"}
+assert set(summed["state"]) == expected, summed
+
 if process_id == 0:
   np.savez(out, active=np.asarray(active), **leaves)
 print(f"process {process_id}: {jax.device_count()} devices, done", flush=True)

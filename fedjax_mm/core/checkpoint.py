@@ -64,9 +64,10 @@ Guarantees and choices:
   mismatch. CRC-32 detects accidental damage (disk, copy, truncation), not
   tampering, at about 4 GB/s. Steps written before checksums existed (Orbax's
   step metadata lists no ``checksums`` item) are read unverified. Leaves not fully addressable by this
-  process (arrays on several processes' devices: the runners' states in a job of several
-  processes, :func:`~fedjax_mm.core.sharding.job_mesh`) are not checksummed: a CRC of
-  their global value would gather every client's state to every host at each save.
+  process and split over several processes' devices (the runners' client states in a job of
+  several processes, :func:`~fedjax_mm.core.sharding.job_mesh`) are not checksummed: a CRC
+  of their global value would gather every client's state to every host at each save. An
+  array replicated over them is checksummed from each process's own copy.
 * **Several processes** (``jax.distributed``): every process calls
   :meth:`~Checkpointer.save` and the restores, as Orbax requires, and Orbax writes
   each array once. An array that lives on this process's devices only (FedMuscle's
@@ -188,14 +189,17 @@ def _array_checksums(tree: Any) -> dict[str, dict[str, Any]]:
   """``{keystr(path): {"dtype", "shape", "crc32"}}`` of every array leaf of ``tree``.
 
   Typed PRNG keys are summed as their key data. Python scalars are skipped, as
-  are arrays this process cannot read whole (multi-host). One ``device_get``
-  for all leaves, so that accelerator arrays are copied in parallel.
+  are arrays split over several processes' devices; an array replicated over
+  them is summed from this process's copy. One ``device_get`` for all leaves,
+  so that accelerator arrays are copied in parallel.
   """
   paths, arrays = [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(leaf, jax.Array):
       if not leaf.is_fully_addressable:
-        continue
+        if not leaf.is_fully_replicated:
+          continue
+        leaf = _local_copy(leaf)
       if _is_prng_key(leaf):
         leaf = jax.random.key_data(leaf)
     elif not isinstance(leaf, np.ndarray):
