@@ -155,6 +155,24 @@ def test_creamfl_and_fedrgb_spread_their_clients_over_the_processes(system, tmp_
   assert _results(two) == _results(one)
 
 
+def test_devices_of_every_process_must_divide_fedrgbs_clients(tmp_path, main_cache):
+  # FedRGB splits its clients evenly over the devices of both processes: 3 clients on 2
+  # devices is refused before anything is written, in one line on each process.
+  outputs = _launch(
+    tmp_path / "run",
+    cache_dir=main_cache,
+    config="experiments/fedrgb.py:smoke",
+    base=("--config.methods=('fedrgb',)",),
+  )
+  for code, _, err in outputs:
+    assert code == 2, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+      "error: devices (1) x processes (2) = 2 must divide num_clients (3): each device "
+      "trains an equal share of the clients."
+    ], err[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
 def test_two_processes_resume_together(runs, tmp_path, main_cache):
   one, finished, _ = runs
   two = tmp_path / "run"
