@@ -183,6 +183,21 @@ def test_two_processes_resume_together(runs, tmp_path, main_cache):
   assert _results(two) == _results(one)
 
 
+def test_one_process_refuses_the_checkpoints_of_two(runs, tmp_path, main_cache):
+  # The same config on one process of one device pads FedSCMR's 3 clients to 3, not to the
+  # job's 4: the checkpoints cannot fit. Refused in one line, before any restore, and none
+  # of them is set aside as damaged.
+  _, finished, _ = runs
+  workdir = tmp_path / "run"
+  shutil.copytree(finished, workdir)
+  code, out, err = experiment_main.run(CONFIG, workdir, *OVERRIDES, cache_dir=main_cache, env=ENV)
+  assert code == 2 and out == "", err[-3000:]
+  [line] = [line for line in err.splitlines() if line.startswith("error:")]
+  assert "hold states of other sizes than this run's (round 2: fedscmr " in line, line
+  assert "written by a job on another number of processes" in line, line
+  assert _listing(workdir) == _listing(finished)
+
+
 def test_a_refused_workdir_stops_both_processes(tmp_path, main_cache):
   workdir = tmp_path / "run"
   workdir.mkdir()

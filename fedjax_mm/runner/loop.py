@@ -21,6 +21,9 @@ needs, in one place:
   they saw the first time, so ``metrics.jsonl`` and ``results.json`` equal an
   uninterrupted run's (wall time aside), whenever the process was killed
   (tested with SIGKILL inside a round, a checkpoint write and the report).
+  The metadata also records the packed states' sizes: checkpoints of a job on
+  another number of processes, whose groups were padded to another multiple of
+  its devices, are refused in one line (``WorkdirError``) before any restore.
 * **Checkpoints packed per dtype.** Orbax spends milliseconds per leaf and a
   run holds one state per method with hundreds of leaves each, so each state
   is stored as one flat vector per dtype (typed PRNG keys as their key data)
@@ -82,7 +85,7 @@ from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.ledger import Ledger
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import NonFiniteError, checkpoint_note
-from fedjax_mm.runner.workdir import claim_workdir
+from fedjax_mm.runner.workdir import WorkdirError, claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
 __all__ = ["Curves", "Experiment", "Outcome", "Report", "run"]
@@ -231,6 +234,9 @@ def run(
     ledgers: dict[str, Ledger] = {}
     with Checkpointer(workdir / "checkpoints", max_to_keep=2) as checkpointer:
       start = 0
+      layout = _layout(state)
+      if resumed:
+        _check_layout(checkpointer, layout, workdir)
       restored = checkpointer.restore_latest_good(_abstract(state)) if resumed else None
       if restored is not None:
         start, packed = restored
@@ -244,7 +250,15 @@ def run(
       }
       try:
         final = _rounds(
-          experiment, config, state, ledgers, start, checkpointer, writers, progress and writes
+          experiment,
+          config,
+          state,
+          ledgers,
+          start,
+          checkpointer,
+          writers,
+          progress and writes,
+          layout,
         )
       finally:
         for writer in writers.values():
@@ -265,10 +279,11 @@ def run(
     return report.results
 
 
-def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress):
+def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress, layout):
   """Rounds ``start + 1 .. config.rounds``, updating ``state`` and ``ledgers`` in place.
 
-  ``writers`` is empty on the processes that do not write (no metric lines).
+  ``writers`` is empty on the processes that do not write (no metric lines);
+  ``layout`` (:func:`_layout`) goes into every checkpoint's metadata.
 
   Returns:
     method -> metrics of the last evaluation round run; empty if none ran.
@@ -303,7 +318,8 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
       for name, scalars in experiment.scalars(done, outs, evals):
         writers[name].write(done, scalars)
     if done % config.checkpoint_every == 0 or done == total:
-      checkpointer.save(done, pack(state), metadata={"round": done, "ledgers": ledgers})
+      metadata = {"round": done, "ledgers": ledgers, "layout": layout}
+      checkpointer.save(done, pack(state), metadata=metadata)
     postfix = experiment.postfix(evals)
     if postfix and hasattr(bar, "set_postfix"):
       bar.set_postfix(postfix)
@@ -332,6 +348,51 @@ def _pack(tree: Any) -> dict[str, jax.Array]:
     leaf = _key_data(leaf)
     groups.setdefault(str(leaf.dtype), []).append(jnp.ravel(leaf))
   return {dtype: jnp.concatenate(parts) for dtype, parts in groups.items()}
+
+
+def _layout(state: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+  """``{method: {dtype: values}}``: the sizes of the packed states a checkpoint holds.
+
+  They depend on the config and, for runners that pad their groups to a multiple of
+  the devices (FedSCMR, CreamFL), on the devices of every process
+  (:func:`fedjax_mm.core.job_mesh`): a job of another process count packs other sizes.
+  """
+  return {m: {d: int(x.size) for d, x in packed.items()} for m, packed in _abstract(state).items()}
+
+
+def _check_layout(checkpointer: Checkpointer, layout: Mapping[str, Any], workdir) -> None:
+  """Refuses to resume from checkpoints of states packed to other sizes than ``layout``.
+
+  The config is the same (the workdir checked it), so the job that wrote them ran
+  on another number of processes, and its padded groups do not fit this one's. Said
+  in one line, before any restore (which would fail on every step and report them
+  all as unreadable). Checkpoints written before the layout was recorded, and a
+  newest step whose metadata cannot be read (left to
+  :meth:`~fedjax_mm.core.checkpoint.Checkpointer.restore_latest_good`), pass.
+  """
+  step = checkpointer.latest_step()
+  if step is None:
+    return
+  try:
+    stored = checkpointer.restore_metadata(step).get("layout")
+  except Exception:  # noqa: BLE001 - a damaged step: restore_latest_good sets it aside.
+    return
+  if stored is None or stored == json.loads(json.dumps(layout)):
+    return
+  raise WorkdirError(
+    f"the checkpoints in {workdir} hold states of other sizes than this run's (round "
+    f"{step}: {_sizes(stored)}; this run: {_sizes(layout)}): they were written by a job "
+    "on another number of processes (config.devices is per process), whose groups are "
+    "padded to another multiple. Resume with the processes that wrote them, or pass "
+    "--overwrite to set the workdir aside and start afresh."
+  )
+
+
+def _sizes(layout: Mapping[str, Mapping[str, int]]) -> str:
+  return ", ".join(
+    f"{m} " + " + ".join(f"{n} {d}" for d, n in sorted(sizes.items()))
+    for m, sizes in sorted(layout.items())
+  )
 
 
 def _abstract(state: Mapping[str, Any]) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
