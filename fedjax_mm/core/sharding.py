@@ -77,9 +77,9 @@ def job_mesh(num_devices: int = 1) -> Mesh:
   group's clients; what every process must read whole (a round's outputs, an
   evaluation) is gathered with :func:`fedjax_mm.core.processes.gather`.
   """
-  local_mesh(num_devices)  # The same check, on this process's devices.
+  local = local_mesh(num_devices)  # The same check, on this process's devices.
   if jax.process_count() == 1:
-    return local_mesh(num_devices)
+    return local
   devices = [
     d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:num_devices]
   ]

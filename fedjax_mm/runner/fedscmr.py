@@ -555,13 +555,10 @@ def experiment(config) -> loop.Experiment:
     return lambda s: jitted(s, train, val)
 
   shared_mask = jnp.ones(setup.shared_test["label"].shape, bool)
-  own_jit = jax.jit(lambda s, test: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+  evaluate_own = jax.jit(lambda s, test: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
   evaluate_shared = jax.jit(
     lambda s: alg_lib.evaluate_shared(group, s.groups[0], setup.shared_test, shared_mask, ns=ns)
   )
-
-  def evaluate_own(s):
-    return own_jit(s, test)
 
   def per_client(values) -> dict[str, dict[str, float]]:
     values = {k: np.asarray(v) for k, v in values.items()}
@@ -569,7 +566,7 @@ def experiment(config) -> loop.Experiment:
 
   def evaluate(s) -> dict[str, dict[str, dict[str, float]]]:
     """``{"own" | "global": {client name: its metrics}}``."""
-    own, shared = processes.gather((evaluate_own(s), evaluate_shared(s)))
+    own, shared = processes.gather((evaluate_own(s, test), evaluate_shared(s)))
     return {"own": per_client(own), "global": per_client(shared)}
 
   def scalars(r, outs, evals):

@@ -234,10 +234,11 @@ def run(
     ledgers: dict[str, Ledger] = {}
     with Checkpointer(workdir / "checkpoints", max_to_keep=2) as checkpointer:
       start = 0
-      layout = _layout(state)
+      abstract = _abstract(state)
+      layout = {m: {d: int(x.size) for d, x in packed.items()} for m, packed in abstract.items()}
       if resumed:
         _check_layout(checkpointer, layout, workdir)
-      restored = checkpointer.restore_latest_good(_abstract(state)) if resumed else None
+      restored = checkpointer.restore_latest_good(abstract) if resumed else None
       if restored is not None:
         start, packed = restored
         state = {m: _unpack(packed[m], s) for m, s in state.items()}
@@ -283,7 +284,8 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
   """Rounds ``start + 1 .. config.rounds``, updating ``state`` and ``ledgers`` in place.
 
   ``writers`` is empty on the processes that do not write (no metric lines);
-  ``layout`` (:func:`_layout`) goes into every checkpoint's metadata.
+  ``layout`` (``{method: {dtype: values}}``, the packed states' sizes) goes into
+  every checkpoint's metadata.
 
   Returns:
     method -> metrics of the last evaluation round run; empty if none ran.
@@ -350,19 +352,12 @@ def _pack(tree: Any) -> dict[str, jax.Array]:
   return {dtype: jnp.concatenate(parts) for dtype, parts in groups.items()}
 
 
-def _layout(state: Mapping[str, Any]) -> dict[str, dict[str, int]]:
-  """``{method: {dtype: values}}``: the sizes of the packed states a checkpoint holds.
-
-  They depend on the config and, for runners that pad their groups to a multiple of
-  the devices (FedSCMR, CreamFL), on the devices of every process
-  (:func:`fedjax_mm.core.job_mesh`): a job of another process count packs other sizes.
-  """
-  return {m: {d: int(x.size) for d, x in packed.items()} for m, packed in _abstract(state).items()}
-
-
 def _check_layout(checkpointer: Checkpointer, layout: Mapping[str, Any], workdir) -> None:
   """Refuses to resume from checkpoints of states packed to other sizes than ``layout``.
 
+  ``layout`` is ``{method: {dtype: values}}``. The sizes depend on the config and,
+  for runners that pad their groups to a multiple of the devices (FedSCMR,
+  CreamFL), on the devices of every process (:func:`fedjax_mm.core.job_mesh`).
   The config is the same (the workdir checked it), so the job that wrote them ran
   on another number of processes, and its padded groups do not fit this one's. Said
   in one line, before any restore (which would fail on every step and report them
@@ -377,7 +372,7 @@ def _check_layout(checkpointer: Checkpointer, layout: Mapping[str, Any], workdir
     stored = checkpointer.restore_metadata(step).get("layout")
   except Exception:  # noqa: BLE001 - a damaged step: restore_latest_good sets it aside.
     return
-  if stored is None or stored == json.loads(json.dumps(layout)):
+  if stored is None or stored == layout:
     return
   raise WorkdirError(
     f"the checkpoints in {workdir} hold states of other sizes than this run's (round "
