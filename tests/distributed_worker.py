@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import sys
+import zlib
 
 process_id, num_processes, devices, port, out = sys.argv[1:]
 process_id, num_processes, devices = int(process_id), int(num_processes), int(devices)
@@ -34,7 +35,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from fedjax_mm import algorithms, core  # noqa: E402
 from fedjax_mm.core import processes  # noqa: E402
-from fedjax_mm.core.checkpoint import Checkpointer  # noqa: E402
+from fedjax_mm.core.checkpoint import Checkpointer, DamagedCheckpointError  # noqa: E402
 
 assert jax.device_count() == num_processes * devices, jax.devices()
 sizes = (3, 7, 2, 9, 4, 6, 5, 8)
@@ -75,23 +76,46 @@ leaves = {
   for path, v in jax.tree_util.tree_leaves_with_path(params)
 }
 
-# A checkpoint of the job's arrays: a leaf split over the processes is stored without a
-# CRC-32 (it would need a gather), one replicated over them with its copy's CRC-32, and
-# both restore onto their shardings.
+# A checkpoint of the job's arrays: leaves split over the processes (a kernel, typed keys)
+# and one replicated over them all restore onto their shardings, each with the CRC-32 of
+# its global value, which no process held whole (the split ones' from their pieces).
 kernel = next(x for x in jax.tree.leaves(fed_state.groups[0].params) if x.ndim == 3)
-tree = {"split": kernel, "replicated": core.replicate(jnp.arange(6.0).reshape(2, 3), mesh)}
+tree = {
+  "split": kernel,
+  "keys": fed_state.groups[0].rng,
+  "replicated": core.replicate(jnp.arange(6.0).reshape(2, 3), mesh),
+}
 with Checkpointer(pathlib.Path(out).parent / f"ckpt-{num_processes}") as checkpointer:
   checkpointer.save(1, tree)
   checkpointer.wait()
   restored = checkpointer.restore(tree, 1)  # onto the shardings of the arrays saved
-  summed = json.loads((checkpointer.directory / "1" / "checksums" / "metadata").read_text())
-assert restored["split"].sharding == kernel.sharding, restored["split"].sharding
-np.testing.assert_array_equal(processes.gather(restored["split"]), processes.gather(kernel))
-np.testing.assert_array_equal(
-  processes.gather(restored["replicated"]), np.arange(6.0).reshape(2, 3)
-)
-expected = {"['replicated']", "['split']"} if num_processes == 1 else {"['replicated']"}
-assert set(summed["state"]) == expected, summed
+  checksums = checkpointer.directory / "1" / "checksums" / "metadata"
+  summed = json.loads(checksums.read_text())
+  assert restored["split"].sharding == kernel.sharding, restored["split"].sharding
+
+  def host(tree):  # Every leaf whole, as NumPy; typed keys as their key data.
+    tree = processes.gather(tree)
+    return {
+      name: np.asarray(jax.random.key_data(x) if name == "keys" else x) for name, x in tree.items()
+    }
+
+  whole = host(tree)
+  for name, x in host(restored).items():
+    np.testing.assert_array_equal(x, whole[name], err_msg=name)
+  for name, x in whole.items():
+    want = {"dtype": str(x.dtype), "shape": list(x.shape), "crc32": zlib.crc32(x.tobytes())}
+    assert summed["state"][f"['{name}']"] == want, (name, summed["state"], want)
+  # A piece read back wrong fails the restore in every process: here, the record altered.
+  processes.sync("checked")
+  if process_id == 0:
+    summed["state"]["['split']"]["crc32"] ^= 1
+    checksums.write_text(json.dumps(summed))
+  processes.sync("altered")
+  try:
+    checkpointer.restore(tree, 1)
+    raise AssertionError("a wrong CRC-32 of a split array went unnoticed")
+  except DamagedCheckpointError as e:
+    assert "array ['split'] of step 1" in str(e), e
 
 if process_id == 0:
   np.savez(out, active=np.asarray(active), **leaves)

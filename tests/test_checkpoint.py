@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import flax.struct
 import jax
@@ -341,6 +342,30 @@ def test_flipped_array_bytes_fail_the_checksum(tmp_path):
     ):
       ckpt.restore(_target())
     assert_bit_identical(states[2], ckpt.restore(_target(), step=2))  # Others are intact.
+
+
+@pytest.mark.parametrize("cuts", [(), (0,), (1,), (5, 5), (3, 64, 4095), (65_537,)])
+def test_crc32_combine_equals_the_crc32_of_the_whole(cuts):
+  # The pieces of a split array are summed apart and combined (several processes).
+  data = np.random.default_rng(len(cuts)).integers(0, 256, 100_003, np.uint8).tobytes()
+  bounds = [0, *cuts, len(data)]
+  crc = 0  # zlib.crc32(b"")
+  for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+    crc = checkpoint_lib._crc32_combine(crc, zlib.crc32(data[start:stop]), stop - start)
+  assert crc == zlib.crc32(data)
+
+
+def test_row_pieces_of_split_arrays():
+  # What each process sums of a split array: whole rows in row order, one holder a piece.
+  mesh = jax.make_mesh((4, 2), ("clients", "copies"))
+  x = jax.device_put(jnp.zeros((8, 3)), NamedSharding(mesh, P("clients")))
+  pieces = checkpoint_lib._row_pieces(x)
+  assert [(start, stop) for start, stop, _ in pieces] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+  for start, _, device in pieces:  # Of the two copies, the device with the smaller id.
+    holders = [d for d, i in x.sharding.devices_indices_map(x.shape).items() if i[0].start == start]
+    assert device == min(holders, key=lambda d: d.id) and len(holders) == 2
+  columns = jax.device_put(jnp.zeros((3, 8)), NamedSharding(mesh, P(None, "clients")))
+  assert checkpoint_lib._row_pieces(columns) is None  # Not whole rows: not summed.
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,14 @@ def test_two_processes_write_once_what_one_writes(runs):
   (devices_one, config_one), (devices_two, config_two) = _config(one), _config(two)
   assert (devices_one, devices_two) == (2, 1) and config_two == config_one
   assert _results(two) == _results(one)
+  # Every array in the checkpoints carries the CRC-32 the reference records for it, the
+  # packed client states split over the two processes too (summed from their pieces).
+  for step in ("1", "2"):
+    sums_one, sums_two = (
+      json.loads((workdir / "checkpoints" / step / "checksums" / "metadata").read_text())
+      for workdir in (one, two)
+    )
+    assert sums_two == sums_one
 
 
 # FedRGB, one method and one round: it keeps its state replicated and splits the clients a

@@ -63,11 +63,15 @@ Guarantees and choices:
   what they read against it and raise :class:`DamagedCheckpointError` on a
   mismatch. CRC-32 detects accidental damage (disk, copy, truncation), not
   tampering, at about 4 GB/s. Steps written before checksums existed (Orbax's
-  step metadata lists no ``checksums`` item) are read unverified. Leaves not fully addressable by this
-  process and split over several processes' devices (the runners' client states in a job of
-  several processes, :func:`~fedjax_mm.core.sharding.job_mesh`) are not checksummed: a CRC
-  of their global value would gather every client's state to every host at each save. An
-  array replicated over them is checksummed from each process's own copy.
+  step metadata lists no ``checksums`` item) are read unverified. An array split over
+  several processes' devices along its first axis (the runners' client states in a job of
+  several processes, :func:`~fedjax_mm.core.sharding.job_mesh`) gets the CRC-32 of its
+  global value without being gathered: each process sums the pieces it holds, the processes
+  exchange one number per piece, and the sums are combined in row order (zlib's
+  ``crc32_combine``), so a checkpoint saved by several processes records the checksums one
+  process saving the same values records, and it verifies on any mesh. An array split
+  along another axis is not checksummed. An array replicated over the processes is
+  checksummed from each process's own copy.
 * **Several processes** (``jax.distributed``): every process calls
   :meth:`~Checkpointer.save` and the restores, as Orbax requires, and Orbax writes
   each array once. An array that lives on this process's devices only (FedMuscle's
@@ -119,6 +123,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -185,19 +190,84 @@ def _document_crc32(document: Any) -> int:
   return _crc32(json.dumps(document, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _gf2_apply(matrix: list[int], vector: int) -> int:
+  """A 32x32 matrix over GF(2), given as its columns, times a 32-bit vector."""
+  out = 0
+  for column in matrix:
+    if not vector:
+      break
+    if vector & 1:
+      out ^= column
+    vector >>= 1
+  return out
+
+
+def _crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+  """``zlib.crc32(a + b)`` from ``zlib.crc32(a)``, ``zlib.crc32(b)`` and ``len(b)``.
+
+  zlib's ``crc32_combine``, which Python's ``zlib`` does not expose. Appending a zero
+  bit to a message maps the CRC register by a fixed linear map over GF(2) (a shift
+  right, the reflected polynomial xored in when the dropped bit was set), and the
+  pre- and post-inversion cancel between ``a + b`` and ``b``, so
+  ``crc32(a + b) = Z^(8 len(b)) crc32(a) xor crc32(b)``. ``Z`` is raised to that
+  power by repeated squaring: ``O(log len(b))`` 32x32 products, whatever the length.
+  """
+  operator = [0xEDB88320] + [1 << k for k in range(31)]  # One zero bit.
+  for _ in range(3):  # One zero byte: eight zero bits.
+    operator = [_gf2_apply(operator, column) for column in operator]
+  while length2:
+    if length2 & 1:
+      crc1 = _gf2_apply(operator, crc1)
+    length2 >>= 1
+    if length2:
+      operator = [_gf2_apply(operator, column) for column in operator]
+  return crc1 ^ crc2
+
+
+def _row_pieces(x: jax.Array) -> list[tuple[int, int, jax.Device]] | None:
+  """The distinct pieces of a split array as ``(first row, end row, device holding it)``,
+  in row order, or None when they are not whole rows that tile the first axis.
+
+  Every process computes the same list from the sharding alone; a piece held by
+  several devices is attributed to the one with the smallest id.
+  """
+  if x.ndim == 0:
+    return None
+  pieces: dict[tuple[int, int], jax.Device] = {}
+  for device, index in x.sharding.devices_indices_map(x.shape).items():
+    bounds = [s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)]
+    if any(b != (0, n) for b, n in zip(bounds[1:], x.shape[1:], strict=True)):
+      return None
+    if bounds[0] not in pieces or device.id < pieces[bounds[0]].id:
+      pieces[bounds[0]] = device
+  rows, ordered = 0, []
+  for (start, stop), device in sorted(pieces.items()):
+    if start != rows:
+      return None
+    ordered.append((start, stop, device))
+    rows = stop
+  return ordered if rows == x.shape[0] else None
+
+
 def _array_checksums(tree: Any) -> dict[str, dict[str, Any]]:
   """``{keystr(path): {"dtype", "shape", "crc32"}}`` of every array leaf of ``tree``.
 
-  Typed PRNG keys are summed as their key data. Python scalars are skipped, as
-  are arrays split over several processes' devices; an array replicated over
-  them is summed from this process's copy. One ``device_get`` for all leaves,
-  so that accelerator arrays are copied in parallel.
+  Typed PRNG keys are summed as their key data, Python scalars skipped. An array
+  replicated over several processes is summed from this process's copy; one split
+  over them along its first axis from its pieces (see the module docstring), with
+  one ``process_allgather`` of a number per piece for all such arrays (a collective:
+  every process holds the same split arrays, so all of them call it or none); one
+  split otherwise is skipped. One ``device_get`` for all local data, so that
+  accelerator arrays are copied in parallel.
   """
-  paths, arrays = [], []
+  order, paths, arrays, split, owned = [], [], [], [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    order.append(jax.tree_util.keystr(path))
     if isinstance(leaf, jax.Array):
       if not leaf.is_fully_addressable:
         if not leaf.is_fully_replicated:
+          if (pieces := _row_pieces(leaf)) is not None:
+            split.append((jax.tree_util.keystr(path), leaf, pieces))
           continue
         leaf = _local_copy(leaf)
       if _is_prng_key(leaf):
@@ -206,10 +276,35 @@ def _array_checksums(tree: Any) -> dict[str, dict[str, Any]]:
       continue
     paths.append(jax.tree_util.keystr(path))
     arrays.append(leaf)
-  return {
+  offset = 0
+  for _, leaf, pieces in split:
+    shards = {shard.device: shard.data for shard in leaf.addressable_shards}
+    for k, (_, _, device) in enumerate(pieces):
+      if device.process_index == jax.process_index():
+        data = shards[device]
+        owned.append((offset + k, jax.random.key_data(data) if _is_prng_key(data) else data))
+    offset += len(pieces)
+  host = jax.device_get(arrays + [data for _, data in owned])
+  checksums = {
     path: {"dtype": str(x.dtype), "shape": list(x.shape), "crc32": _crc32(np.asarray(x))}
-    for path, x in zip(paths, jax.device_get(arrays), strict=True)
+    for path, x in zip(paths, host[: len(arrays)], strict=True)
   }
+  if split:
+    sums = np.zeros(offset, np.uint32)
+    for (k, _), x in zip(owned, host[len(arrays) :], strict=True):
+      sums[k] = _crc32(np.asarray(x))
+    table = np.asarray(multihost_utils.process_allgather(sums))  # [processes, pieces]
+    offset = 0
+    for path, leaf, pieces in split:
+      data = jax.eval_shape(jax.random.key_data, leaf) if _is_prng_key(leaf) else leaf
+      row_bytes = data.dtype.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
+      crc = 0  # zlib.crc32(b"")
+      for k, (start, stop, device) in enumerate(pieces):
+        piece = int(table[device.process_index, offset + k])
+        crc = _crc32_combine(crc, piece, (stop - start) * row_bytes)
+      checksums[path] = {"dtype": str(data.dtype), "shape": list(data.shape), "crc32": crc}
+      offset += len(pieces)
+  return {path: checksums[path] for path in order if path in checksums}  # In tree order.
 
 
 def _reason(error: BaseException) -> str:
