@@ -6,8 +6,10 @@ The loop lives in the library (``fedjax_mm.runner.loop``); this file only
 parses flags and picks the experiment by the config file's name
 (``fedjax_mm.runner.EXPERIMENTS``). A bad config or workdir is reported in one
 line on stderr with exit status 2, before any compilation; so are a run that
-produced NaN/Inf, a workdir whose checkpoints are all damaged, and a bad
-combination of the flags below.
+produced NaN/Inf, a workdir whose checkpoints are all damaged, a bad
+combination of the flags below, and a bad command line (:func:`parse_flags`:
+an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
+a value that does not parse, a config file that is missing or fails to load).
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
@@ -22,6 +24,8 @@ On a CPU, ``--cpu_devices=N`` first makes N XLA devices of it, so each runs its
 share of the clients as its own compiled loop.
 """
 
+import difflib
+import importlib.util
 import pathlib
 import sys
 
@@ -118,6 +122,64 @@ def distributed_args(
   }
 
 
+def _bad_override(argv: list[str], error: Exception) -> str:
+  """Which ``--config...`` flag of ``argv`` raised ``error``, and why, in one line.
+
+  ml_collections fails an override of a key the config lacks with a bare exception
+  and no flag name, and a config file without ``get_config`` likewise. The file is
+  loaded again here (the parser keeps none of it after the failure) to tell which,
+  and to name the nearest keys where an override's path went wrong.
+  """
+  spec = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
+  if spec is None:
+    return f"{type(error).__name__}: {error}"
+  filename, *variant = spec.split(":", 1)
+  try:
+    loader = importlib.util.spec_from_file_location("_fedjax_mm_config", filename)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+      return f"--config={spec}: {filename} defines no get_config(), so it is no config file"
+    config = module.get_config(*variant)
+  except Exception as e:  # noqa: BLE001 - reported, in one line
+    return f"--config={spec}: {type(e).__name__}: {e}"
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config.") :].split("=", 1)[0]
+    node, walked = config, []
+    for key in path.split("."):
+      if not hasattr(node, "keys"):
+        return f"{arg}: {'.'.join(walked)} is a {type(node).__name__}, it has no key {key!r}"
+      if key not in node.keys():
+        near = difflib.get_close_matches(key, list(node.keys()), n=3)
+        where = f"{'.'.join(walked)} has" if walked else "the config has"
+        hint = " or ".join(repr(".".join([*walked, k])) for k in near)
+        return f"{arg}: {where} no key {key!r}" + (f"; did you mean {hint}?" if near else "")
+      node = node[key]
+      walked.append(key)
+  return f"{type(error).__name__}: {error}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, every error reported in one line on stderr with exit status 2.
+
+  absl prints a bad flag value on several lines with exit status 1 (a config file
+  that fails to load: with its traceback), and ml_collections lets an override of a
+  key the config lacks escape as a bare ``AttributeError``; the runs' own errors
+  are one ``error:`` line and status 2, so the command line's are too.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    message = " ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else "".join(lines)
+  except (AttributeError, KeyError, TypeError) as e:  # ml_collections: --config.<key>=...
+    message = _bad_override(argv, e)  # where the config has no <key>, or no get_config().
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -136,9 +198,13 @@ def main(argv):
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   config_path = flags.FLAGS["config"].config_filename
+  if not pathlib.Path(config_path.split(":")[0]).is_file():
+    print(f"error: --config={config_path}: no such file", file=sys.stderr)
+    sys.exit(2)
   name = pathlib.Path(config_path.split(":")[0]).stem
   if name not in EXPERIMENTS:
-    sys.exit(f"error: no runner for config {name!r}; known: {', '.join(EXPERIMENTS)}")
+    print(f"error: no runner for config {name!r}; known: {', '.join(EXPERIMENTS)}", file=sys.stderr)
+    sys.exit(2)
   run = experiment_runner(name)
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   try:
@@ -150,4 +216,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -43,6 +43,60 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache, override, messa
 
 
 @pytest.mark.parametrize(
+  "config,override,line",
+  [
+    (
+      CONFIG,
+      "--config.muscle.los=pairwise",
+      "--config.muscle.los=pairwise: muscle has no key 'los'; did you mean 'muscle.loss'?",
+    ),
+    (CONFIG, "--config.roundz=4", "--config.roundz=4: the config has no key 'roundz'; did you "),
+    (CONFIG, "--config.muscle.loss.x=1", "--config.muscle.loss.x=1: muscle.loss is a str, it has "),
+    (CONFIG, "--config.rounds=abc", "flag --config.rounds=abc: invalid literal for int() with "),
+    (CONFIG, "--bogus=1", "Unknown command line flag 'bogus'"),
+    (
+      "experiments/fedmuscle.py:cifar",
+      None,
+      "flag --config=experiments/fedmuscle.py:cifar: Error whilst parsing config file: "
+      "ValueError: unknown variant 'cifar'; expected cnn_m, ",
+    ),
+    (
+      "experiments/nowhere/fedmuscle.py",
+      None,
+      "--config=experiments/nowhere/fedmuscle.py: no such",
+    ),
+    (
+      "experiments/faults.py",
+      None,
+      "--config=experiments/faults.py: experiments/faults.py defines no get_config(), so ",
+    ),
+  ],
+)
+def test_bad_command_line_is_one_line_and_exit_2(tmp_path, main_cache, config, override, line):
+  # absl prints a bad flag on several lines (a config file that fails to load: with its
+  # traceback) and ml_collections lets an unknown key escape as a bare exception; the
+  # command reports each like a bad config value: one line, exit status 2.
+  overrides = () if override is None else (override,)
+  code, out, err = experiment_main.run(config, tmp_path / "run", *overrides, cache_dir=main_cache)
+  assert code == 2 and out == "", err[-2000:]
+  assert len(err.splitlines()) == 1 and err.startswith(f"error: {line}"), err[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_config_of_no_runner_is_one_line_and_exit_2(tmp_path, main_cache):
+  config = tmp_path / "mine.py"
+  config.write_text(
+    "import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict()\n"
+  )
+  code, out, err = experiment_main.run(str(config), tmp_path / "run", cache_dir=main_cache)
+  assert code == 2 and out == "", err[-2000:]
+  assert (
+    err == "error: no runner for config 'mine'; known: creamfl, fedmuscle, fedrgb, fedscmr, "
+    "pretrain, rcsr\n"
+  )
+
+
+@pytest.mark.parametrize(
   "variant,changed",
   [
     ("coco", ["public.max_objects: 3 != 5", "public.min_visible: 0.4 != 0.3"]),
