@@ -10,6 +10,9 @@ produced NaN/Inf, a workdir whose checkpoints are all damaged, a bad
 combination of the flags below, and a bad command line (:func:`parse_flags`:
 an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
 a value that does not parse, a config file that is missing or fails to load).
+Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
+a line says so on stderr, and the exit status is 128 + the signal's number
+(130, 143); the same command then resumes.
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
@@ -27,6 +30,7 @@ share of the clients as its own compiled loop.
 import difflib
 import importlib.util
 import pathlib
+import signal
 import sys
 
 import jax
@@ -180,6 +184,15 @@ def parse_flags(argv: list[str]) -> list[str]:
   sys.exit(2)
 
 
+class Stopped(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
+  """SIGTERM, raised in the main thread as SIGINT raises ``KeyboardInterrupt``."""
+
+
+def _raise_stopped(signum, frame):
+  del frame
+  raise Stopped(signum)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -207,11 +220,23 @@ def main(argv):
     sys.exit(2)
   run = experiment_runner(name)
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
+  # SIGTERM (a scheduler's preemption, `kill`, `docker stop`) unwinds like Ctrl-C: the
+  # checkpointer finishes the save in flight, the metric files are closed, the workdir's
+  # lock is released; the default action would end the process at once.
+  signal.signal(signal.SIGTERM, _raise_stopped)
   try:
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except (KeyboardInterrupt, Stopped) as e:
+    signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+    print(
+      f"\nstopped by {signal.Signals(signum).name}: every round checkpointed so far is kept in "
+      f"{workdir}; the same command resumes from the last of them",
+      file=sys.stderr,
+    )
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

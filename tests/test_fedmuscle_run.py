@@ -1,4 +1,5 @@
-"""The FedMuscle command end to end: smoke run, validation, refusal, resume after SIGKILL."""
+"""The FedMuscle command end to end: smoke run, validation, refusal, resume after SIGKILL,
+SIGTERM and Ctrl-C."""
 
 import json
 import signal
@@ -258,6 +259,36 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):
   # A different config in the same workdir is refused, and nothing is touched.
   code, _, err = main(tmp_path / "run", "--config.rounds=5")
   assert code == 2 and "rounds: 4 != 5" in err and "--overwrite" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_run_cleanly_and_the_command_resumes(tmp_path, main_cache, sig):
+  # SIGTERM (a scheduler's preemption) and Ctrl-C unwind the run: the save in flight is
+  # finished, so the last round logged is the last one checkpointed; the lock is released;
+  # one line on stderr, no traceback, exit status 128 + the signal's number.
+  workdir = tmp_path / "run"
+  proc = experiment_main.start(CONFIG, workdir, "--config.rounds=12", cache_dir=main_cache)
+  deadline = time.time() + 600
+  while not (workdir / "checkpoints" / "1" / "_CHECKPOINT_METADATA").exists():
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 128 + sig, err[-3000:]
+  assert "Traceback" not in err and err.splitlines()[-1] == (
+    f"stopped by {signal.Signals(sig).name}: every round checkpointed so far is kept in "
+    f"{workdir}; the same command resumes from the last of them"
+  ), err[-3000:]
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())  # No tmp folder.
+  assert all((workdir / "checkpoints" / str(s) / "_CHECKPOINT_METADATA").exists() for s in steps)
+  assert max(r["round"] for r in read_metrics(workdir)) == steps[-1] < 12
+  assert not (workdir / ".lock").exists()
+  if sig == signal.SIGTERM:
+    code, out, err = experiment_main.run(
+      CONFIG, workdir, "--config.rounds=12", cache_dir=main_cache
+    )
+    assert code == 0 and f"resumed at round {steps[-1]}" in out, err[-3000:]
 
 
 def test_delta_leaves_out_users_whose_local_metric_is_zero():
