@@ -12,7 +12,9 @@ an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
 a value that does not parse, a config file that is missing or fails to load).
 Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
-(130, 143); the same command then resumes.
+(130, 143); the same command then resumes. In a job of several processes SIGTERM
+keeps its default action (the processes could stop at different rounds and wait
+on each other's collectives).
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
@@ -222,8 +224,11 @@ def main(argv):
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   # SIGTERM (a scheduler's preemption, `kill`, `docker stop`) unwinds like Ctrl-C: the
   # checkpointer finishes the save in flight, the metric files are closed, the workdir's
-  # lock is released; the default action would end the process at once.
-  signal.signal(signal.SIGTERM, _raise_stopped)
+  # lock is released; the default action would end the process at once. Not in a job of
+  # several processes: each would stop at its own point and could wait on the others'
+  # collectives until the scheduler kills them; there it keeps its default action.
+  if jax.process_count() == 1:
+    signal.signal(signal.SIGTERM, _raise_stopped)
   try:
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
