@@ -93,6 +93,24 @@ def test_file_path_is_refused_even_with_overwrite(tmp_path):
   assert path.read_text() == "x"
 
 
+def test_a_workdir_that_cannot_be_made_or_written_is_refused(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(WorkdirError, match=r"file/run cannot be created \(Not a directory\)"):
+    with lock_workdir(tmp_path / "file" / "run"):
+      pass
+
+
+def test_a_workdir_whose_lock_cannot_be_written_is_refused(tmp_path, monkeypatch):
+  # A read-only folder (not one as root, who writes anyway): the lock's os.open fails.
+  def read_only(path, flags, mode=0o777):
+    raise PermissionError(13, "Permission denied", str(path))
+
+  monkeypatch.setattr(os, "open", read_only)
+  with pytest.raises(WorkdirError, match=r"its lock .* cannot be written \(Permission denied\)"):
+    with lock_workdir(tmp_path):
+      pass
+
+
 def test_non_serialisable_config_raises_type_error(tmp_path):
   with pytest.raises(TypeError, match="to_dict"):
     prepare_workdir(tmp_path / "x", {"f": object()})

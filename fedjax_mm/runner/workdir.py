@@ -410,13 +410,19 @@ def lock_workdir(workdir: str | os.PathLike[str]) -> Iterator[Path]:
     ``workdir`` as a :class:`~pathlib.Path`.
 
   Raises:
-    WorkdirError: ``workdir`` is a file; or another live process holds it (the
-      message names the pid and host and says what to do); or its lock file
-      is unreadable.
+    WorkdirError: ``workdir`` is a file, or cannot be created or written (a
+      parent is a file, no permission, a read-only file system); or another live
+      process holds it (the message names the pid and host and says what to do);
+      or its lock file is unreadable.
   """
   workdir = Path(workdir).expanduser()
   _refuse_file(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # A parent is a file, a read-only file system, no permission.
+    raise WorkdirError(
+      f"--workdir {workdir} cannot be created ({e.strerror or e}); choose another --workdir."
+    ) from e
   path = workdir / LOCK_FILE
   token = uuid.uuid4().hex
   record = {
@@ -427,7 +433,14 @@ def lock_workdir(workdir: str | os.PathLike[str]) -> Iterator[Path]:
     "token": token,
   }
   for _ in range(_LOCK_ATTEMPTS):
-    if _create_lock(path, record):
+    try:
+      created = _create_lock(path, record)
+    except OSError as e:  # Not FileExistsError: _create_lock answers that with False.
+      raise WorkdirError(
+        f"--workdir {workdir}: its lock {path} cannot be written ({e.strerror or e}); "
+        "choose another --workdir."
+      ) from e
+    if created:
       break
     holder = _read_lock(path)
     if holder is None:
