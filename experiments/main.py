@@ -34,6 +34,7 @@ import importlib.util
 import pathlib
 import signal
 import sys
+import traceback
 
 import jax
 from absl import app, flags, logging
@@ -136,9 +137,11 @@ def _bad_override(argv: list[str], error: Exception) -> str:
   loaded again here (the parser keeps none of it after the failure) to tell which,
   and to name the nearest keys where an override's path went wrong.
   """
-  spec = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
-  if spec is None:
+  specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+  specs += [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-config")]
+  if not specs:
     return f"{type(error).__name__}: {error}"
+  spec = specs[-1]
   filename, *variant = spec.split(":", 1)
   try:
     loader = importlib.util.spec_from_file_location("_fedjax_mm_config", filename)
@@ -147,8 +150,10 @@ def _bad_override(argv: list[str], error: Exception) -> str:
     if not callable(getattr(module, "get_config", None)):
       return f"--config={spec}: {filename} defines no get_config(), so it is no config file"
     config = module.get_config(*variant)
-  except Exception as e:  # noqa: BLE001 - reported, in one line
-    return f"--config={spec}: {type(e).__name__}: {e}"
+  except Exception as e:  # noqa: BLE001 - reported, in one line, where it was raised
+    where = traceback.extract_tb(e.__traceback__)[-1]  # A SyntaxError names its own line.
+    at = "" if isinstance(e, SyntaxError) else f" (at {where.filename}:{where.lineno})"
+    return f"--config={spec}: {type(e).__name__}: {e}{at}"
   for arg in argv:
     if not arg.startswith("--config."):
       continue
@@ -172,16 +177,17 @@ def parse_flags(argv: list[str]) -> list[str]:
 
   absl prints a bad flag value on several lines with exit status 1 (a config file
   that fails to load: with its traceback), and ml_collections lets an override of a
-  key the config lacks escape as a bare ``AttributeError``; the runs' own errors
-  are one ``error:`` line and status 2, so the command line's are too.
+  key the config lacks, or a config file's own exception, escape bare; the runs' own
+  errors are one ``error:`` line and status 2, so the command line's are too (a
+  config file's exception with the file and line it was raised at).
   """
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     message = " ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else "".join(lines)
-  except (AttributeError, KeyError, TypeError) as e:  # ml_collections: --config.<key>=...
-    message = _bad_override(argv, e)  # where the config has no <key>, or no get_config().
+  except Exception as e:  # noqa: BLE001 - ml_collections: a --config.<key>=... where the
+    message = _bad_override(argv, e)  # config has no <key>, or a config file that raised.
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
 

@@ -84,17 +84,31 @@ def test_bad_command_line_is_one_line_and_exit_2(tmp_path, main_cache, config, o
   assert not (tmp_path / "run").exists()
 
 
-def test_a_config_of_no_runner_is_one_line_and_exit_2(tmp_path, main_cache):
-  config = tmp_path / "mine.py"
-  config.write_text(
-    "import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict()\n"
-  )
+@pytest.mark.parametrize(
+  "name,body,line",
+  [
+    (
+      "mine",
+      "import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict()\n",
+      "no runner for config 'mine'; known: creamfl, fedmuscle, fedrgb, fedscmr, pretrain, rcsr",
+    ),
+    ("fedmuscle", "def get_config(:\n  pass\n", "--config={path}: SyntaxError: "),
+    (
+      "fedmuscle",
+      "def get_config():\n  raise RuntimeError('boom')\n",
+      "--config={path}: RuntimeError: boom (at {path}:2)",
+    ),
+  ],
+)
+def test_a_config_file_that_runs_nothing_is_one_line_and_exit_2(
+  tmp_path, main_cache, name, body, line
+):
+  config = tmp_path / f"{name}.py"
+  config.write_text(body)
   code, out, err = experiment_main.run(str(config), tmp_path / "run", cache_dir=main_cache)
   assert code == 2 and out == "", err[-2000:]
-  assert (
-    err == "error: no runner for config 'mine'; known: creamfl, fedmuscle, fedrgb, fedscmr, "
-    "pretrain, rcsr\n"
-  )
+  assert len(err.splitlines()) == 1 and err.startswith(f"error: {line.format(path=config)}"), err
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
