@@ -111,6 +111,7 @@ checkpoint)::
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -202,6 +203,34 @@ def _gf2_apply(matrix: list[int], vector: int) -> int:
   return out
 
 
+def _gf2_product(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+  """The matrix ``a @ b`` over GF(2), both given as their columns."""
+  return tuple(_gf2_apply(a, column) for column in b)
+
+
+@functools.cache
+def _zero_bytes_power(i: int) -> tuple[int, ...]:
+  """The CRC register's map for appending ``2**i`` zero bytes."""
+  if i == 0:
+    bit = (0xEDB88320, *(1 << k for k in range(31)))  # One zero bit.
+    two = _gf2_product(bit, bit)
+    four = _gf2_product(two, two)
+    return _gf2_product(four, four)  # Eight zero bits.
+  half = _zero_bytes_power(i - 1)
+  return _gf2_product(half, half)
+
+
+@functools.cache
+def _zero_bytes(length: int) -> tuple[int, ...]:
+  """The CRC register's map for appending ``length`` zero bytes (cached: the pieces of
+  a split array mostly share one length, so each combine is then one product)."""
+  operator = tuple(1 << k for k in range(32))  # The identity.
+  for i in range(length.bit_length()):
+    if length >> i & 1:
+      operator = _gf2_product(_zero_bytes_power(i), operator)
+  return operator
+
+
 def _crc32_combine(crc1: int, crc2: int, length2: int) -> int:
   """``zlib.crc32(a + b)`` from ``zlib.crc32(a)``, ``zlib.crc32(b)`` and ``len(b)``.
 
@@ -210,18 +239,9 @@ def _crc32_combine(crc1: int, crc2: int, length2: int) -> int:
   right, the reflected polynomial xored in when the dropped bit was set), and the
   pre- and post-inversion cancel between ``a + b`` and ``b``, so
   ``crc32(a + b) = Z^(8 len(b)) crc32(a) xor crc32(b)``. ``Z`` is raised to that
-  power by repeated squaring: ``O(log len(b))`` 32x32 products, whatever the length.
+  power from cached powers of two (:func:`_zero_bytes`).
   """
-  operator = [0xEDB88320] + [1 << k for k in range(31)]  # One zero bit.
-  for _ in range(3):  # One zero byte: eight zero bits.
-    operator = [_gf2_apply(operator, column) for column in operator]
-  while length2:
-    if length2 & 1:
-      crc1 = _gf2_apply(operator, crc1)
-    length2 >>= 1
-    if length2:
-      operator = [_gf2_apply(operator, column) for column in operator]
-  return crc1 ^ crc2
+  return _gf2_apply(_zero_bytes(length2), crc1) ^ crc2
 
 
 def _row_pieces(x: jax.Array) -> list[tuple[int, int, jax.Device]] | None:
