@@ -191,7 +191,7 @@ def _document_crc32(document: Any) -> int:
   return _crc32(json.dumps(document, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _gf2_apply(matrix: list[int], vector: int) -> int:
+def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
   """A 32x32 matrix over GF(2), given as its columns, times a 32-bit vector."""
   out = 0
   for column in matrix:
