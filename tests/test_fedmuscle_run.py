@@ -281,7 +281,9 @@ def test_a_signal_stops_the_run_cleanly_and_the_command_resumes(tmp_path, main_c
   # finished, so the last round logged is the last one checkpointed; the lock is released;
   # one line on stderr, no traceback, exit status 128 + the signal's number.
   workdir = tmp_path / "run"
-  proc = experiment_main.start(CONFIG, workdir, "--config.rounds=12", cache_dir=main_cache)
+  proc = experiment_main.start(  # As a shell's foreground job: SIGINT is Ctrl-C.
+    CONFIG, workdir, "--config.rounds=12", cache_dir=main_cache, module="tests.foreground_main"
+  )
   deadline = time.time() + 600
   while not (workdir / "checkpoints" / "1" / "_CHECKPOINT_METADATA").exists():
     assert proc.poll() is None, proc.communicate()[1][-3000:]
