@@ -151,8 +151,8 @@ def _bad_override(argv: list[str], error: Exception) -> str:
       return f"--config={spec}: {filename} defines no get_config(), so it is no config file"
     config = module.get_config(*variant)
   except Exception as e:  # noqa: BLE001 - reported, in one line, where it was raised
-    where = traceback.extract_tb(e.__traceback__)[-1]  # A SyntaxError names its own line.
-    at = "" if isinstance(e, SyntaxError) else f" (at {where.filename}:{where.lineno})"
+    frame = traceback.extract_tb(e.__traceback__)[-1]  # A SyntaxError names its own line.
+    at = "" if isinstance(e, SyntaxError) else f" (at {frame.filename}:{frame.lineno})"
     return f"--config={spec}: {type(e).__name__}: {e}{at}"
   for arg in argv:
     if not arg.startswith("--config."):
