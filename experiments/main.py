@@ -172,6 +172,19 @@ def _bad_override(argv: list[str], error: Exception) -> str:
   return f"{type(error).__name__}: {error}"
 
 
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def _asks_for_help(args: list[str]) -> bool:
+  """Whether a flag before any ``--`` is one of absl's help flags."""
+  for arg in args:
+    if arg == "--":
+      return False
+    if arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS:
+      return True
+  return False
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, every error reported in one line on stderr with exit status 2.
 
@@ -179,10 +192,16 @@ def parse_flags(argv: list[str]) -> list[str]:
   that fails to load: with its traceback), and ml_collections lets an override of a
   key the config lacks, or a config file's own exception, escape bare; the runs' own
   errors are one ``error:`` line and status 2, so the command line's are too (a
-  config file's exception with the file and line it was raised at).
+  config file's exception with the file and line it was raised at). ``--help`` (and
+  ``--helpfull``, ``--helpshort``, ``--helpxml``) prints the usage and exits 0, where
+  absl exits 1: asking for help is no failure.
   """
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help and its kin print the usage, then exit 1.
+    if e.code == 1 and _asks_for_help(argv[1:]):
+      sys.exit(0)
+    raise
   except flags.Error as e:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     message = " ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else "".join(lines)

@@ -84,6 +84,15 @@ def test_bad_command_line_is_one_line_and_exit_2(tmp_path, main_cache, config, o
   assert not (tmp_path / "run").exists()
 
 
+def test_help_prints_the_usage_and_exits_0(tmp_path, main_cache):
+  # absl exits 1 after printing the usage; asking for help is no failure.
+  config = "experiments/fedmuscle.py"
+  code, out, err = experiment_main.run(config, tmp_path / "run", "--help", cache_dir=main_cache)
+  assert code == 0, err[-2000:]
+  assert "--config: Experiment config file." in out and "--workdir:" in out, out[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
   "name,body,line",
   [
