@@ -12,9 +12,9 @@ an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
 a value that does not parse, a config file that is missing or fails to load).
 Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
-(130, 143); the same command then resumes. In a job of several processes SIGTERM
-keeps its default action (the processes could stop at different rounds and wait
-on each other's collectives).
+(130, 143); the same command then resumes. In a job of several processes, SIGTERM
+to any of them (a preemption notice) stops all of them after the same round, which
+is checkpointed; they exit 143.
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
@@ -42,7 +42,7 @@ from ml_collections import config_flags
 
 from fedjax_mm.core.checkpoint import CheckpointError
 from fedjax_mm.runner import EXPERIMENTS, experiment_runner
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError, Preempted
 from fedjax_mm.runner.workdir import WorkdirError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -249,9 +249,10 @@ def main(argv):
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   # SIGTERM (a scheduler's preemption, `kill`, `docker stop`) unwinds like Ctrl-C: the
   # checkpointer finishes the save in flight, the metric files are closed, the workdir's
-  # lock is released; the default action would end the process at once. Not in a job of
-  # several processes: each would stop at its own point and could wait on the others'
-  # collectives until the scheduler kills them; there it keeps its default action.
+  # lock is released; the default action would end the process at once. In a job of
+  # several processes each would stop at its own point and could wait on the others'
+  # collectives; there JAX's preemption notifier takes SIGTERM, and the loop stops every
+  # process after the same round (processes.preempted), raising Preempted.
   if jax.process_count() == 1:
     signal.signal(signal.SIGTERM, _raise_stopped)
   try:
@@ -259,6 +260,13 @@ def main(argv):
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except Preempted as e:
+    print(
+      f"\nstopped by SIGTERM to a process of the job: every process stopped after round "
+      f"{e.round}, which is checkpointed in {workdir}; the same command resumes from it",
+      file=sys.stderr,
+    )
+    sys.exit(128 + signal.SIGTERM)
   except (KeyboardInterrupt, Stopped) as e:
     signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
     print(

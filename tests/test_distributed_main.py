@@ -13,8 +13,11 @@ metric lines and results, bit for bit.
 import concurrent.futures
 import json
 import pathlib
+import re
 import shutil
+import signal
 import socket
+import time
 
 import experiment_main
 import pytest
@@ -38,8 +41,13 @@ def _free_port():
 
 def _launch(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
   """Runs the command as processes 0 and 1 of one job: ``[(exit code, stdout, stderr)] * 2``."""
+  return _finish(_start(workdir, *overrides, cache_dir=cache_dir, config=config, base=base))
+
+
+def _start(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
+  """Starts the command as processes 0 and 1 of one job; :func:`_finish` waits for them."""
   flags = ["--distributed", f"--coordinator=localhost:{_free_port()}", "--num_processes=2"]
-  procs = [
+  return [
     experiment_main.start(
       config,
       workdir,
@@ -52,6 +60,10 @@ def _launch(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
     )
     for i in range(2)
   ]
+
+
+def _finish(procs):
+  """Waits for both processes: ``[(exit code, stdout, stderr)] * 2``."""
   try:  # Both pipes drained at once: a process blocked on a full pipe would stall the other.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       outputs = list(pool.map(lambda p: p.communicate(timeout=900), procs))
@@ -189,6 +201,70 @@ def test_two_processes_resume_together(runs, tmp_path, main_cache):
   assert _listing(two) == sorted(_listing(finished) + ["tb/fedscmr/<event file>"])
   assert (two / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
   assert _results(two) == _results(one)
+
+
+def _wait_for(path: pathlib.Path, procs, timeout: float = 600) -> None:
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+    assert all(p.poll() is None for p in procs), "a process ended before " + str(path)
+    time.sleep(0.05)
+
+
+def _stopped_after(outputs) -> int:
+  """The round both processes report stopping after, each with exit status 143."""
+  stops = []
+  for code, _, err in outputs:
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    stops += re.findall(r"^stopped by SIGTERM to a process of the job: every process stopped "
+                        r"after round (\d+), which is checkpointed in ", err, re.MULTILINE)  # fmt: skip
+  assert len(stops) == 2 and stops[0] == stops[1], stops
+  return int(stops[0])
+
+
+def _rounds(workdir: pathlib.Path) -> list[int]:
+  return [
+    json.loads(line)["round"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
+
+
+def test_sigterm_to_one_process_stops_the_job_after_one_round_and_it_resumes(tmp_path, main_cache):
+  """JAX's preemption notifier takes SIGTERM in a job of several processes, where the process
+  would otherwise go on to the end: the loop stops both processes after the same round,
+  checkpointed, with exit status 143, and the same command resumes to what an
+  uninterrupted run writes."""
+  rounds = ("--config.rounds=40",)
+  one, workdir = tmp_path / "one", tmp_path / "run"
+  code, _, err = experiment_main.run(
+    CONFIG, one, *OVERRIDES, *REFERENCE, *rounds, cache_dir=main_cache, env=ENV
+  )
+  assert code == 0, err[-3000:]
+  # A preemption notice to process 1 (not the writer) once round 1 is checkpointed.
+  procs = _start(workdir, *rounds, cache_dir=main_cache)
+  _wait_for(workdir / "checkpoints" / "1", procs)
+  procs[1].send_signal(signal.SIGTERM)
+  stopped = _stopped_after(_finish(procs))
+  assert 1 <= stopped < 40
+  assert max(int(p.name) for p in (workdir / "checkpoints").iterdir()) == stopped
+  assert _rounds(workdir) == list(range(1, stopped + 1))
+  assert not (workdir / ".lock").exists()
+  # The same command, the notice to process 0 as soon as it holds the lock: one taken while
+  # the job starts stops it at the round it resumes from (or, if the notice is slower than
+  # building and restoring the states, after one more); without the loop's catch-up the
+  # job would miss the sync point and run to the end.
+  procs = _start(workdir, *rounds, cache_dir=main_cache)
+  _wait_for(workdir / ".lock", procs)
+  procs[0].send_signal(signal.SIGTERM)
+  resumed = _stopped_after(_finish(procs))
+  assert resumed in (stopped, stopped + 1)
+  assert _rounds(workdir) == list(range(1, resumed + 1))
+  # Then to the end: what the uninterrupted one-process run wrote.
+  (code0, out0, err0), (code1, _, err1) = _launch(workdir, *rounds, cache_dir=main_cache)
+  assert code0 == 0 and code1 == 0, (err0[-3000:], err1[-3000:])
+  assert f"resumed at round {resumed}" in out0
+  assert (workdir / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
+  assert _results(workdir) == _results(one)
 
 
 def test_one_process_refuses_the_checkpoints_of_two(runs, tmp_path, main_cache):

@@ -10,7 +10,7 @@ bars) are written by **process 0 alone**, the *primary*. Orbax checkpoints stay
 collective: every process calls save and restore, and Orbax itself writes each
 array once (:mod:`fedjax_mm.core.checkpoint`).
 
-Four helpers carry that rule, so that no other module asks for a process index:
+Five helpers carry that rule, so that no other module asks for a process index:
 
 * :func:`is_primary`: whether this process writes.
 * :func:`broadcast`: the primary's answer (an int), on every process; used where
@@ -19,9 +19,11 @@ Four helpers carry that rule, so that no other module asks for a process index:
   finished a write (a damaged checkpoint renamed, say).
 * :func:`gather`: arrays split over (or replicated on) every process's devices,
   made readable by this one: a round's outputs, an evaluation's inputs.
+* :func:`preempted`: whether the job has agreed to stop after this round, because
+  one of its processes got a preemption notice (SIGTERM).
 
 With one process (every run without ``--distributed``) :func:`is_primary` is True
-and the other three return at once, without compiling anything.
+and the other four return at once, without compiling anything.
 
 Typical use::
 
@@ -38,7 +40,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["broadcast", "gather", "is_primary", "sync"]
+__all__ = ["broadcast", "gather", "is_primary", "preempted", "sync"]
 
 
 def is_primary() -> bool:
@@ -99,3 +101,34 @@ def gather(tree: Any) -> Any:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(read, tree)
+
+
+def preempted(step: int) -> bool:
+  """Whether every process of the job has agreed to stop after ``step``: a preemption.
+
+  ``jax.distributed.initialize()`` installs JAX's preemption notifier, which takes
+  SIGTERM (what Cloud TPU, GKE and SLURM send before they reclaim a host) in every
+  process of a multi-process job: the process goes on, and the notice reaches the
+  others through the coordination service. They agree on the step after the
+  furthest one any of them has passed here (``reached_preemption_sync_point``), so
+  all stop after the same round, with no collective left waiting. Orbax's
+  ``CheckpointManager.save`` asks the same question with the same step numbers.
+
+  The agreement holds only if every process calls this with consecutive steps
+  (1, 2, 3, ...), each once or more: the sync point is one past the largest step
+  any process has passed when the notice arrives, and each process must meet it
+  exactly. A job resumed at round ``r`` therefore first passes ``1 .. r`` (a
+  notice taken while it was starting sets the sync point at 1), then one step a
+  round.
+
+  Args:
+    step: the number of rounds done (or passed, when catching up).
+
+  Returns:
+    True on every process at the same ``step`` once a notice has arrived; False
+    before, with one process (its SIGTERM is ``experiments/main.py``'s), and with
+    ``jax_enable_preemption_service`` off.
+  """
+  if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:
+    return False
+  return multihost_utils.reached_preemption_sync_point(step)

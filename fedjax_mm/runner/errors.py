@@ -7,7 +7,9 @@ user, leaving the last good checkpoint intact (its message ends with
 :func:`checkpoint_note`). ``main.py`` prints either (and
 :class:`~fedjax_mm.runner.workdir.WorkdirError`,
 :class:`~fedjax_mm.core.checkpoint.CheckpointError`) as ``error: ...`` on
-stderr and exits with status 2.
+stderr and exits with status 2. :class:`Preempted` is no error: a job of several
+processes stopped together on a preemption notice, its last round checkpointed;
+``main.py`` says so and exits with status 143 (128 + SIGTERM), as one process does.
 """
 
 
@@ -17,6 +19,18 @@ class ConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
   """A client update produced NaN or Inf."""
+
+
+class Preempted(Exception):  # noqa: N818 - a stop, like KeyboardInterrupt, not an error
+  """Every process of the job stopped after round ``round`` on a preemption notice.
+
+  Raised by the loop once :func:`fedjax_mm.core.processes.preempted` agrees, with
+  that round checkpointed (its save finished on the way out).
+  """
+
+  def __init__(self, round_: int):
+    super().__init__(round_)
+    self.round = round_
 
 
 def checkpoint_note(latest_round: int | None) -> str:

@@ -60,6 +60,13 @@ written, then the checkpoint is started (Orbax writes it in the background). A
 kill leaves at most rows of rounds newer than the newest finalised
 checkpoint, which the rerun drops and writes again.
 
+**Preemption.** In a job of several processes, JAX takes SIGTERM in each (its
+preemption notifier) and shares the notice; after each round the processes ask
+:func:`fedjax_mm.core.processes.preempted`, agree on one round, checkpoint it
+whatever ``checkpoint_every`` says, and raise
+:class:`~fedjax_mm.runner.errors.Preempted` together (``experiments/main.py``
+exits 143). With one process, SIGTERM is ``main.py``'s own handler.
+
 The interface follows fedjax's ``FederatedAlgorithm`` and optax's
 ``GradientTransformation``: a tuple of functions with no hidden state. A system
 module defines ``experiment(config) -> Experiment`` and the entry point
@@ -84,7 +91,7 @@ from fedjax_mm.core import processes
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.ledger import Ledger
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import NonFiniteError, checkpoint_note
+from fedjax_mm.runner.errors import NonFiniteError, Preempted, checkpoint_note
 from fedjax_mm.runner.workdir import WorkdirError, claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -222,7 +229,9 @@ def run(
   Raises:
     ConfigError: from ``build``. WorkdirError: the workdir is in use or holds
       another config. CheckpointError: every checkpoint is damaged.
-    NonFiniteError: a round produced NaN/Inf.
+    NonFiniteError: a round produced NaN/Inf. Preempted: in a job of several
+      processes, all stopped after the same round on a preemption notice
+      (SIGTERM to any of them), that round checkpointed.
   """
   experiment = build(config)
   workdir = pathlib.Path(workdir)
@@ -292,6 +301,11 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
   """
   total = config.rounds
   pack = jax.jit(lambda states: {m: _pack(s) for m, s in states.items()})
+  # A resumed job passes rounds 1 .. start first, as processes.preempted requires; a
+  # notice taken while it started stops it here, at the round it resumed from.
+  for step in range(1, start + 1):
+    if processes.preempted(step):
+      raise Preempted(start)
   bar = _progress(range(start, total), start, total, progress)
   final = {}
   for r in bar:
@@ -319,9 +333,14 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
     if writers:
       for name, scalars in experiment.scalars(done, outs, evals):
         writers[name].write(done, scalars)
-    if done % config.checkpoint_every == 0 or done == total:
+    # Every process of a job agrees when to stop on a preemption notice (SIGTERM);
+    # never with one process. A stop after the last round is no stop.
+    stop = processes.preempted(done) and done < total
+    if stop or done % config.checkpoint_every == 0 or done == total:
       metadata = {"round": done, "ledgers": ledgers, "layout": layout}
       checkpointer.save(done, pack(state), metadata=metadata)
+    if stop:
+      raise Preempted(done)  # The checkpointer finishes the save on the way out.
     postfix = experiment.postfix(evals)
     if postfix and hasattr(bar, "set_postfix"):
       bar.set_postfix(postfix)
