@@ -12,7 +12,9 @@ an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
 a value that does not parse, a config file that is missing or fails to load).
 Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
-(130, 143); the same command then resumes. In a job of several processes, SIGTERM
+(130, 143); the same command then resumes. A write that fails for want of space (or
+a quota, a read-only or failing disk) is one line too, with exit status 2: the
+checkpoints written so far are kept, and the same command resumes from them. In a job of several processes, SIGTERM
 to any of them (a preemption notice) stops all of them after the same round, which
 is checkpointed; they exit 143.
 
@@ -30,6 +32,7 @@ share of the clients as its own compiled loop.
 """
 
 import difflib
+import errno
 import importlib.util
 import pathlib
 import signal
@@ -211,6 +214,39 @@ def parse_flags(argv: list[str]) -> list[str]:
   sys.exit(2)
 
 
+#: A write that failed for want of room or of a working disk, not for a bug.
+_STORAGE_FIXES = {
+  errno.ENOSPC: "free some space",
+  errno.EDQUOT: "free some space or raise the quota",
+  errno.EROFS: "make it writable again",
+  errno.EIO: "check the disk",
+}
+
+
+def _storage_error(e: BaseException) -> OSError | None:
+  """The first storage OSError (disk full, quota, read-only, I/O) that led to ``e``, if any.
+
+  The first one is the cause: a failed checkpoint save or metric line is often
+  followed, while the run unwinds, by the same error from closing the metric files
+  or the checkpointer, and Python raises the last.
+  """
+  found, seen = None, set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in _STORAGE_FIXES:
+      found = e
+    e = e.__cause__ or e.__context__
+  return found
+
+
+def _storage_message(e: OSError, workdir: str) -> str:
+  where = f" ({e.filename})" if e.filename else ""
+  return (
+    f"a write failed: {e.strerror}{where}. Every round checkpointed so far is kept in "
+    f"{workdir}; {_STORAGE_FIXES[e.errno]}, then the same command resumes from the last of them."
+  )
+
+
 class Stopped(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
   """SIGTERM, raised in the main thread as SIGINT raises ``KeyboardInterrupt``."""
 
@@ -259,6 +295,12 @@ def main(argv):
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except OSError as e:
+    storage = _storage_error(e)
+    if storage is None:
+      raise
+    print(f"\nerror: {_storage_message(storage, workdir)}", file=sys.stderr)
     sys.exit(2)
   except Preempted as e:
     print(

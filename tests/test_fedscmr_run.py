@@ -29,6 +29,34 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
   assert not (tmp_path / "run").exists()  # Nothing was written.
 
 
+def test_a_full_disk_is_one_line_and_exit_2_and_the_command_resumes(tmp_path, main_cache):
+  # The save of round 3 fails with ENOSPC and, as the run unwinds, so does closing the
+  # metric files (no file name): the line names the first failure, the cause. Then, the
+  # disk freed, the same command resumes and ends where an uninterrupted run ends.
+  config, workdir, one = "experiments/fedscmr.py:smoke", tmp_path / "run", tmp_path / "one"
+  flags = ("--config.methods=('fedscmr',)", "--config.ns=(5,)", "--config.rounds=6")
+  code, out, err = experiment_main.run(
+    config, workdir, *flags, cache_dir=main_cache, env={"FULL_DISK_AT_ROUND": "3"},
+    module="tests.full_disk_main",
+  )  # fmt: skip
+  assert code == 2 and "Traceback" not in err, err[-3000:]
+  [line] = [line for line in err.splitlines() if line.startswith("error:")]
+  assert line == (
+    f"error: a write failed: No space left on device ({workdir / 'checkpoints'}/"
+    f"3.orbax-checkpoint-tmp/state). Every round checkpointed so far is kept in {workdir}; "
+    "free some space, then the same command resumes from the last of them."
+  )
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+  assert not (workdir / ".lock").exists()
+  code, out, err = experiment_main.run(
+    config, workdir, *flags, cache_dir=main_cache, module="tests.full_disk_main"
+  )
+  assert code == 0 and "(resumed at round 2)" in out, err[-3000:]
+  code, _, err = experiment_main.run(config, one, *flags, cache_dir=main_cache)
+  assert code == 0, err[-3000:]
+  assert (workdir / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
+
+
 @pytest.mark.parametrize(
   "key,value,message",
   [
