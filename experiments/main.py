@@ -12,11 +12,11 @@ an unknown flag, a ``--config.<key>`` the config lacks, with the nearest keys,
 a value that does not parse, a config file that is missing or fails to load).
 Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
-(130, 143); the same command then resumes. A write that fails for want of space (or
-a quota, a read-only or failing disk) is one line too, with exit status 2: the
-checkpoints written so far are kept, and the same command resumes from them. In a job of several processes, SIGTERM
+(130, 143); the same command then resumes. In a job of several processes, SIGTERM
 to any of them (a preemption notice) stops all of them after the same round, which
-is checkpointed; they exit 143.
+is checkpointed; they exit 143. A write that fails for want of space (or a quota, a
+read-only or failing disk) is one line too, with exit status 2: the checkpoints
+written so far are kept, and the same command resumes from them.
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
