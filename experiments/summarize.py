@@ -26,12 +26,18 @@ Recall@K, per-client fairness) with RCSR minus every other row paired by seed
 (:func:`fedjax_mm.runner.rcsr.summarize`). A CreamFL sweep (runs that differ
 in one config key, e.g. ``creamfl.lcr_weight``) reads well in the generic
 format: ``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
+
+A workdir that is not a finished run (no ``config.json``, or no ``results.json``:
+still running, stopped or preempted) is refused before anything is read, all of
+them in one ``error:`` line with how far each got, exit status 2: a mean over
+fewer seeds than were asked for would pass unnoticed.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import sys
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -108,9 +114,45 @@ def summarize(
   return format_table(["config", "seeds", *keys], rows)
 
 
+def _progress(workdir: pathlib.Path, rounds) -> str:
+  """How far an unfinished run got: its newest finalised checkpoint, of its rounds."""
+  checkpoints = workdir / "checkpoints"
+  steps = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []  # fmt: skip
+  of = f" of {rounds}" if isinstance(rounds, int) else ""
+  return f"checkpointed at round {max(steps)}{of}" if steps else "no round checkpointed"
+
+
+def unfinished(workdirs: Sequence[str | pathlib.Path]) -> list[str]:
+  """What keeps each of ``workdirs`` from being summarised, one phrase each; empty if none.
+
+  A folder that is no run's workdir (no ``config.json``), or a run without
+  ``results.json`` (still running, stopped, or preempted), with how far it got.
+  """
+  problems = []
+  for workdir in map(pathlib.Path, workdirs):
+    if not (workdir / "config.json").is_file():
+      what = "no such folder" if not workdir.exists() else "no config.json: not a run's workdir"
+      problems.append(f"{workdir} ({what})")
+    elif not (workdir / "results.json").is_file():
+      try:
+        rounds = json.loads((workdir / "config.json").read_text()).get("rounds")
+      except (OSError, ValueError):
+        rounds = None
+      problems.append(f"{workdir} (unfinished: {_progress(workdir, rounds)})")
+  return problems
+
+
 def main(argv):
   if len(argv) < 2:
     raise app.UsageError("give one or more workdirs.")
+  problems = unfinished(argv[1:])
+  if problems:  # Never a mean over fewer seeds than asked for.
+    print(
+      f"error: cannot summarise {'; '.join(problems)}. Finish a run with the command that "
+      "started it (it resumes), or leave it out.",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   if _FORMAT.value != "generic":
     import importlib  # The runners import jax: only when asked for.
 

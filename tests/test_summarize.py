@@ -39,3 +39,26 @@ def test_unfinished_run_is_a_clear_error(tmp_path):
   (path / "config.json").write_text("{}")
   with pytest.raises(FileNotFoundError, match="has no results.json"):
     summarize.summarize([path], ["delta"], scale=100, digits=1)
+
+
+def test_the_command_refuses_every_unfinished_workdir_in_one_line(tmp_path, capsys):
+  # Any --format: a mean over fewer seeds than were given would pass unnoticed.
+  done = _run(tmp_path / "done", 0, "muscle", 0.1, [0.5])
+  stopped = tmp_path / "stopped"
+  (stopped / "checkpoints" / "3").mkdir(parents=True)
+  (stopped / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # never finalised
+  (stopped / "config.json").write_text(json.dumps({"seed": 1, "rounds": 10}))
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  (fresh / "config.json").write_text(json.dumps({"seed": 2, "rounds": 10}))
+  assert summarize.unfinished([done]) == []
+  with pytest.raises(SystemExit) as e:
+    summarize.main(["summarize", str(done), str(stopped), str(fresh), str(tmp_path / "x"), str(tmp_path)])  # fmt: skip
+  assert e.value.code == 2
+  out, err = capsys.readouterr()
+  assert out == "" and err == (
+    f"error: cannot summarise {stopped} (unfinished: checkpointed at round 3 of 10); {fresh} "
+    f"(unfinished: no round checkpointed); {tmp_path / 'x'} (no such folder); {tmp_path} (no "
+    "config.json: not a run's workdir). Finish a run with the command that started it (it "
+    "resumes), or leave it out.\n"
+  )
