@@ -13,8 +13,8 @@ a value that does not parse, a config file that is missing or fails to load).
 Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
 (130, 143); the same command then resumes. In a job of several processes, SIGTERM
-to any of them (a preemption notice) stops all of them after the same round, which
-is checkpointed; they exit 143. A write that fails for want of space (or a quota, a
+(a preemption notice) or Ctrl-C to any of them stops all of them after the same
+round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once). A write that fails for want of space (or a quota, a
 read-only or failing disk) is one line too, with exit status 2: the checkpoints
 written so far are kept, and the same command resumes from them.
 
@@ -34,6 +34,7 @@ share of the clients as its own compiled loop.
 import difflib
 import errno
 import importlib.util
+import os
 import pathlib
 import signal
 import sys
@@ -256,6 +257,19 @@ def _raise_stopped(signum, frame):
   raise Stopped(signum)
 
 
+def _sigint_as_notice(signum, frame):
+  """Ctrl-C in a process of a multi-process job: a preemption notice, as SIGTERM is.
+
+  ``KeyboardInterrupt`` would stop this process alone, mid-round, and leave the
+  others waiting on its collectives; sent on as SIGTERM, it reaches JAX's
+  preemption notifier, and every process stops after the same round. A second
+  Ctrl-C interrupts at once.
+  """
+  del signum, frame
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -288,9 +302,12 @@ def main(argv):
   # lock is released; the default action would end the process at once. In a job of
   # several processes each would stop at its own point and could wait on the others'
   # collectives; there JAX's preemption notifier takes SIGTERM, and the loop stops every
-  # process after the same round (processes.preempted), raising Preempted.
+  # process after the same round (processes.preempted), raising Preempted. Ctrl-C there
+  # is sent on as SIGTERM, for the same reason.
   if jax.process_count() == 1:
     signal.signal(signal.SIGTERM, _raise_stopped)
+  else:
+    signal.signal(signal.SIGINT, _sigint_as_notice)
   try:
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
@@ -304,8 +321,8 @@ def main(argv):
     sys.exit(2)
   except Preempted as e:
     print(
-      f"\nstopped by SIGTERM to a process of the job: every process stopped after round "
-      f"{e.round}, which is checkpointed in {workdir}; the same command resumes from it",
+      f"\nstopped by SIGTERM or Ctrl-C to a process of the job: every process stopped after "
+      f"round {e.round}, which is checkpointed in {workdir}; the same command resumes from it",
       file=sys.stderr,
     )
     sys.exit(128 + signal.SIGTERM)

@@ -217,7 +217,7 @@ def _stopped_after(outputs) -> int:
   for code, _, err in outputs:
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    stops += re.findall(r"^stopped by SIGTERM to a process of the job: every process stopped "
+    stops += re.findall(r"^stopped by SIGTERM or Ctrl-C to a process of the job: every process stopped "
                         r"after round (\d+), which is checkpointed in ", err, re.MULTILINE)  # fmt: skip
   assert len(stops) == 2 and stops[0] == stops[1], stops
   return int(stops[0])
@@ -233,7 +233,7 @@ def test_sigterm_to_one_process_stops_the_job_after_one_round_and_it_resumes(tmp
   """JAX's preemption notifier takes SIGTERM in a job of several processes, where the process
   would otherwise go on to the end: the loop stops both processes after the same round,
   checkpointed, with exit status 143, and the same command resumes to what an
-  uninterrupted run writes."""
+  uninterrupted run writes. Ctrl-C is sent on as SIGTERM, with the same effect."""
   rounds = ("--config.rounds=40",)
   one, workdir = tmp_path / "one", tmp_path / "run"
   code, _, err = experiment_main.run(
@@ -249,13 +249,13 @@ def test_sigterm_to_one_process_stops_the_job_after_one_round_and_it_resumes(tmp
   assert max(int(p.name) for p in (workdir / "checkpoints").iterdir()) == stopped
   assert _rounds(workdir) == list(range(1, stopped + 1))
   assert not (workdir / ".lock").exists()
-  # The same command, the notice to process 0 as soon as it holds the lock: one taken while
-  # the job starts stops it at the round it resumes from (or, if the notice is slower than
-  # building and restoring the states, after one more); without the loop's catch-up the
-  # job would miss the sync point and run to the end.
+  # The same command, Ctrl-C to process 0 as soon as it holds the lock, sent on as a notice:
+  # one taken while the job starts stops it at the round it resumes from (or, if the notice
+  # is slower than building and restoring the states, after one more); without the loop's
+  # catch-up the job would miss the sync point and run to the end.
   procs = _start(workdir, *rounds, cache_dir=main_cache)
   _wait_for(workdir / ".lock", procs)
-  procs[0].send_signal(signal.SIGTERM)
+  procs[0].send_signal(signal.SIGINT)
   resumed = _stopped_after(_finish(procs))
   assert resumed in (stopped, stopped + 1)
   assert _rounds(workdir) == list(range(1, resumed + 1))
