@@ -14,9 +14,10 @@ Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
 (130, 143); the same command then resumes. In a job of several processes, SIGTERM
 (a preemption notice) or Ctrl-C to any of them stops all of them after the same
-round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once). A write that fails for want of space (or a quota, a
-read-only or failing disk) is one line too, with exit status 2: the checkpoints
-written so far are kept, and the same command resumes from them.
+round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once).
+A write that fails for want of space (or a quota, a read-only or failing disk) is
+one line too, with exit status 2: the checkpoints written so far are kept, and the
+same command resumes from them.
 
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:

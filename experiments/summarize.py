@@ -116,8 +116,10 @@ def summarize(
 
 def _progress(workdir: pathlib.Path, rounds) -> str:
   """How far an unfinished run got: its newest finalised checkpoint, of its rounds."""
-  checkpoints = workdir / "checkpoints"
-  steps = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []  # fmt: skip
+  # Orbax writes a step under a temporary name and renames it to the bare number when
+  # it is finalised; a damaged step set aside is renamed too (core.checkpoint).
+  folder = workdir / "checkpoints"
+  steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
   of = f" of {rounds}" if isinstance(rounds, int) else ""
   return f"checkpointed at round {max(steps)}{of}" if steps else "no round checkpointed"
 

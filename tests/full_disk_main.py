@@ -1,4 +1,4 @@
-"""``python -m tests.full_disk_main FLAGS``: ``experiments.main`` on a disk that fills up at round N.
+"""``python -m tests.full_disk_main FLAGS``: ``experiments.main`` on a disk that fills at round N.
 
 The environment's ``FULL_DISK_AT_ROUND=N`` makes the checkpoint save of round N
 fail as Orbax's write fails on a full disk (``OSError`` ENOSPC, naming the file),
