@@ -12,7 +12,7 @@ import loop_toy
 import pytest
 
 from fedjax_mm.runner import loop
-from fedjax_mm.runner.errors import NonFiniteError
+from fedjax_mm.runner.errors import NonFiniteError, Preempted
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -121,6 +121,21 @@ def test_a_nan_stops_the_run_and_names_the_checkpoint_a_rerun_resumes_from(tmp_p
   rounds = [json.loads(line)["round"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
   assert max(rounds) == 2  # Round 3 was neither logged nor saved.
   assert not (tmp_path / "run" / "checkpoints" / "3").exists()
+
+
+@pytest.mark.parametrize("stop", ["preempted", "nan"])
+def test_the_bar_shows_the_rounds_finished_when_the_run_stops(tmp_path, monkeypatch, capsys, stop):
+  """A preemption after round 3 leaves the bar at 3/5; a NaN inside round 3 at 2/5."""
+  config = loop_toy.get_config()
+  if stop == "nan":
+    config.nan_at, error = 3, NonFiniteError
+  else:  # What every process sees once a notice has come during round 3.
+    monkeypatch.setattr(loop.processes, "preempted", lambda step: step == 3)
+    error = Preempted
+  with pytest.raises(error):
+    loop.run(loop_toy.experiment, config, tmp_path / "run", progress=True)
+  bar = capsys.readouterr().err.split("\r")[-1]  # The bar's last state, as left on screen.
+  assert f"{2 if stop == 'nan' else 3}/5" in bar, bar
 
 
 def test_restored_state_keeps_each_leafs_placement_so_the_round_compiles_once():

@@ -77,6 +77,7 @@ and its config stem joins :data:`fedjax_mm.runner.EXPERIMENTS`, through which
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import time
@@ -306,53 +307,62 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
   for step in range(1, start + 1):
     if processes.preempted(step):
       raise Preempted(start)
-  bar = _progress(range(start, total), start, total, progress)
   final = {}
-  for r in bar:
-    done = r + 1
-    evaluating = done % experiment.eval_every == 0 or done == total
-    outs, evals = {}, {}
-    for m, round_fn in experiment.methods.items():
-      state[m], out = round_fn(state[m])
-      outs[m] = processes.gather(out)  # Clients on other processes' devices: read whole here.
-      bad = experiment.nonfinite(outs[m])
-      if bad:
-        checkpointer.wait()  # The note names the step a relaunch resumes from, saves in flight included.
-        raise NonFiniteError(
-          f"{m} round {done}: an update produced NaN/Inf for {', '.join(bad)}; "
-          f"{checkpoint_note(checkpointer.latest_step())}."
-        )
-      sent = experiment.traffic(m, outs[m])
-      if sent is not None:
-        up, down = sent
-        ledger = ledgers.get(m) or Ledger.zeros(len(up))
-        ledgers[m] = ledger.add(up=up, down=down, round=done)
-      if evaluating:
-        evals[m] = experiment.evaluate(state[m])
-    final.update(evals)
-    if writers:
-      for name, scalars in experiment.scalars(done, outs, evals):
-        writers[name].write(done, scalars)
-    # Every process of a job agrees when to stop on a preemption notice (SIGTERM);
-    # never with one process. A stop after the last round is no stop.
-    stop = processes.preempted(done) and done < total
-    if stop or done % config.checkpoint_every == 0 or done == total:
-      metadata = {"round": done, "ledgers": ledgers, "layout": layout}
-      checkpointer.save(done, pack(state), metadata=metadata)
-    if stop:
-      raise Preempted(done)  # The checkpointer finishes the save on the way out.
-    postfix = experiment.postfix(evals)
-    if postfix and hasattr(bar, "set_postfix"):
-      bar.set_postfix(postfix)
+  with _progress(start, total, progress) as bar:
+    for done in range(start + 1, total + 1):
+      evaluating = done % experiment.eval_every == 0 or done == total
+      outs, evals = {}, {}
+      for m, round_fn in experiment.methods.items():
+        state[m], out = round_fn(state[m])
+        outs[m] = processes.gather(out)  # Clients on other processes' devices: read whole here.
+        bad = experiment.nonfinite(outs[m])
+        if bad:
+          # The note names the step a relaunch resumes from, saves in flight included.
+          checkpointer.wait()
+          raise NonFiniteError(
+            f"{m} round {done}: an update produced NaN/Inf for {', '.join(bad)}; "
+            f"{checkpoint_note(checkpointer.latest_step())}."
+          )
+        sent = experiment.traffic(m, outs[m])
+        if sent is not None:
+          up, down = sent
+          ledger = ledgers.get(m) or Ledger.zeros(len(up))
+          ledgers[m] = ledger.add(up=up, down=down, round=done)
+        if evaluating:
+          evals[m] = experiment.evaluate(state[m])
+      final.update(evals)
+      if writers:
+        for name, scalars in experiment.scalars(done, outs, evals):
+          writers[name].write(done, scalars)
+      # Every process of a job agrees when to stop on a preemption notice (SIGTERM);
+      # never with one process. A stop after the last round is no stop.
+      stop = processes.preempted(done) and done < total
+      if stop or done % config.checkpoint_every == 0 or done == total:
+        metadata = {"round": done, "ledgers": ledgers, "layout": layout}
+        checkpointer.save(done, pack(state), metadata=metadata)
+      postfix = experiment.postfix(evals)
+      if bar is not None:
+        if postfix:
+          bar.set_postfix(postfix, refresh=False)
+        bar.update(1)  # Round `done` is finished: a stop below leaves the bar at it.
+      if stop:
+        raise Preempted(done)  # The checkpointer finishes the save on the way out.
   return final
 
 
-def _progress(iterable, start: int, total: int, enabled: bool):
+def _progress(start: int, total: int, enabled: bool):
+  """A context holding the rounds' bar (None without one), closed however the rounds end.
+
+  The bar counts finished rounds: the loop updates it at the end of each, so a run
+  stopped after round R (a preemption) shows R, and one stopped inside round R (a
+  NaN) shows R - 1. (tqdm's own iterator counts an item only when the next is asked
+  for, so a stop by exception left every bar one round short.)
+  """
   if not enabled:
-    return iterable
+    return contextlib.nullcontext()
   from tqdm.auto import tqdm  # Lazy: only runs with a bar need it.
 
-  return tqdm(iterable, initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
+  return tqdm(initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
 
 
 def _key_data(leaf):
