@@ -268,13 +268,62 @@ def test_muscle_compiles_once_per_shape():
     (dict(tau=np.ones(3)), "tau must be"),
     (dict(gamma=np.ones((3, 3))), "gamma must be"),
     (dict(anchor=np.ones((3, 3))), "anchor must be"),
+    (dict(anchor=np.ones((4, 5))), r"anchor must be \[B=4, d=3\], got shape \(4, 5\)"),
+    (dict(anchor=np.ones((4, 3), int)), "anchor must be floating-point"),
+    (dict(others=np.ones((2, 4, 3), int)), "others must be floating-point"),
+    (dict(others=[np.ones((4, 3)), np.ones((3, 3))]), r"got shapes \[\(4, 3\), \(3, 3\)\]"),
+    (dict(others=[]), "at least one other"),
+    (dict(tau=0.0), "tau must be positive, got 0.0"),
+    (dict(tau=np.array([0.2, -0.1])), "tau must be positive"),
   ],
 )
 def test_muscle_bad_input(kwargs, message):
   args = dict(anchor=np.ones((4, 3)), others=np.ones((2, 4, 3)), tau=0.2, gamma=1.0) | kwargs
-  args = {k: np.asarray(v, np.float32) if isinstance(v, np.ndarray) else v for k, v in args.items()}
+  float_ = lambda v: np.asarray(v, np.float32) if v.dtype.kind == "f" else v
+  args = {k: float_(v) if isinstance(v, np.ndarray) else v for k, v in args.items()}
   with pytest.raises(ValueError, match=message):
     losses.muscle_loss(args.pop("anchor"), args.pop("others"), **args)
+
+
+def test_muscle_takes_the_others_as_a_sequence_of_matrices():
+  """What each partner sends is one [B, d] matrix: a list of them is the stacked loss."""
+  anchor, others, _, _ = (np.asarray(x, np.float32) for x in _random_problem(40, 3, 5))
+  stacked = losses.muscle_loss(anchor, others, tau=0.2, gamma=1.0)
+  np.testing.assert_array_equal(
+    losses.muscle_loss(anchor, list(others), tau=0.2, gamma=1.0), stacked
+  )
+  np.testing.assert_array_equal(
+    jax.jit(lambda a, o: losses.muscle_loss(a, o, tau=0.2, gamma=1.0))(anchor, tuple(others)),
+    stacked,
+  )
+  np.testing.assert_array_equal(
+    losses.pairwise_info_nce(anchor, list(others), tau=0.2),
+    losses.pairwise_info_nce(anchor, others, tau=0.2),
+  )
+
+
+def test_a_traced_temperature_is_not_checked_but_still_used():
+  """A learnt temperature is a tracer under jit: no check can read it, and the loss uses it."""
+  anchor, others, _, _ = (np.asarray(x, np.float32) for x in _random_problem(41, 2, 5))
+  traced = jax.jit(lambda t: losses.muscle_loss(anchor, others, tau=t, gamma=1.0))(0.3)
+  np.testing.assert_allclose(
+    traced, losses.muscle_loss(anchor, others, tau=0.3, gamma=1.0), rtol=1e-6
+  )
+
+
+@pytest.mark.parametrize(
+  "positive,temperature,message",
+  [
+    (np.ones((3, 2)), 0.5, r"shapes \(4, 2\) and \(3, 2\)"),
+    (np.ones((4, 3)), 0.5, r"shapes \(4, 2\) and \(4, 3\)"),
+    (np.ones((4, 2)), 0.0, "temperature must be positive"),
+    (np.ones((4, 2)), -1.0, "temperature must be positive"),
+    (np.ones((4, 2), int), 0.5, "positive must be floating-point"),
+  ],
+)
+def test_info_nce_bad_input(positive, temperature, message):
+  with pytest.raises(ValueError, match=message):
+    losses.info_nce(np.ones((4, 2), np.float32), positive, temperature=temperature)
 
 
 @pytest.mark.usefixtures("x64")

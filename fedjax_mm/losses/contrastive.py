@@ -15,8 +15,11 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -24,6 +27,23 @@ Array = jax.Array
 def _check_matrix(name: str, x: Array) -> None:
   if x.ndim != 2:
     raise ValueError(f"{name} must be a [B, d] matrix, got shape {x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating-point representations, got dtype {x.dtype}.")
+
+
+def check_positive(name: str, value: float | Array) -> None:
+  """Raises if a concrete ``value`` has an entry <= 0 (or NaN); a traced one passes.
+
+  Temperatures divide the similarities: a zero gives NaN losses and a negative one
+  turns the loss into its opposite, both silently. A traced value (a learnt
+  temperature under ``jit``) cannot be read at trace time and is not checked.
+  """
+  try:
+    concrete = np.asarray(value, np.float64)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return
+  if not np.all(concrete > 0):
+    raise ValueError(f"{name} must be positive, got {value}.")
 
 
 def info_nce(
@@ -63,6 +83,12 @@ def info_nce(
   """
   _check_matrix("anchor", anchor)
   _check_matrix("positive", positive)
+  if anchor.shape != positive.shape:
+    raise ValueError(
+      f"anchor and positive must both be [B, d] (row i of each from sample i), got "
+      f"shapes {anchor.shape} and {positive.shape}."
+    )
+  check_positive("temperature", temperature)
   logits = anchor @ positive.T / temperature
   if where is not None:
     logits = jnp.where(where[None, :], logits, -jnp.inf)
@@ -111,15 +137,39 @@ def pairwise_info_nce(anchor: Array, others: Array, *, tau: float | Array) -> Ar
 
   Args:
     anchor: ``[B, d]`` anchor representations ``Z^n``.
-    others: ``[M, B, d]`` representations ``Z^m`` of the ``M`` other models.
+    others: ``[M, B, d]`` representations ``Z^m`` of the ``M`` other models
+      (or a sequence of ``M`` arrays ``[B, d]``).
     tau: scalar or ``[M]`` temperatures ``tau_{n,m}``.
 
   Returns:
     ``[B]`` per-anchor losses.
   """
   _check_matrix("anchor", anchor)
-  if others.ndim != 3:
-    raise ValueError(f"others must be [M, B, d], got shape {others.shape}.")
+  others = stack_others(others)
   tau = jnp.broadcast_to(jnp.asarray(tau, anchor.dtype), others.shape[:1])
   per_model = jax.vmap(lambda z, t: info_nce(anchor, z, temperature=t))(others, tau)
   return per_model.sum(axis=0)
+
+
+def stack_others(others: Array | Sequence[Array]) -> Array:
+  """``others`` as one ``[M, B, d]`` floating-point array: a sequence of ``[B, d]`` is stacked.
+
+  The other models' representations usually come one model at a time; stacking
+  them here gives the one error that names what is wrong instead of an
+  ``AttributeError`` or a broadcasting error deep in the loss.
+  """
+  if isinstance(others, (list, tuple)):
+    if not others:
+      raise ValueError("others is empty: the loss needs at least one other model (M >= 1).")
+    shapes = [jnp.shape(z) for z in others]
+    if any(len(s) != 2 for s in shapes) or len(set(shapes)) > 1:
+      raise ValueError(
+        f"others must be [M, B, d], or M arrays [B, d] of one shape; got shapes {shapes}."
+      )
+    others = jnp.stack(others)
+  others = jnp.asarray(others)
+  if others.ndim != 3:
+    raise ValueError(f"others must be [M, B, d], got shape {others.shape}.")
+  if not jnp.issubdtype(others.dtype, jnp.floating):
+    raise ValueError(f"others must be floating-point representations, got dtype {others.dtype}.")
+  return others

@@ -81,6 +81,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_mm.losses.contrastive import check_positive, stack_others
+
 Array = jax.Array
 
 # Elements of one chunk's [c, B, ..., B] logit tensor. The backward pass holds a
@@ -183,6 +185,7 @@ def _place(x: Array, axes: tuple[int, ...], ndim: int) -> Array:
 
 
 def _temperatures(tau: float | Array, num_others: int, dtype) -> Array:
+  check_positive("tau", tau)
   tau = jnp.asarray(tau, dtype)
   if tau.ndim > 1 or (tau.ndim == 1 and tau.shape[0] != num_others):
     raise ValueError(f"tau must be a scalar or [M={num_others}], got shape {tau.shape}.")
@@ -218,13 +221,14 @@ def muscle_server_targets(
 
   Args:
     others: ``[M, B, d]`` L2-normalised representations of the ``M`` users
-      selected as partners of user ``n``.
+      selected as partners of user ``n`` (or a sequence of ``M`` arrays ``[B, d]``).
     tau: scalar or ``[M]`` anchor-other temperatures ``tau^{(M+1)}_{n,m}``.
     gamma: scalar or ``[M, M]`` other-other weights (diagonal ignored).
 
   Returns:
     :class:`MuscleTargets`: ``M*B*d + M(M-1)/2*B*B`` numbers in all.
   """
+  others = stack_others(others)
   num_others, batch, _ = _check_others(others)
   tau = _temperatures(tau, num_others, others.dtype)
   gamma = _gamma_matrix(gamma, num_others, others.dtype)
@@ -292,9 +296,11 @@ def muscle_client_loss(
   Returns:
     ``[B]`` per-anchor losses.
   """
-  num_others, batch, _ = _check_others(targets.scaled_others)
-  if anchor.ndim != 2 or anchor.shape[0] != batch:
-    raise ValueError(f"anchor must be [B={batch}, d], got shape {anchor.shape}.")
+  num_others, batch, dim = _check_others(targets.scaled_others)
+  if anchor.ndim != 2 or anchor.shape != (batch, dim):
+    raise ValueError(f"anchor must be [B={batch}, d={dim}], got shape {anchor.shape}.")
+  if not jnp.issubdtype(anchor.dtype, jnp.floating):
+    raise ValueError(f"anchor must be floating-point representations, got dtype {anchor.dtype}.")
   # a[i, m, k] = z^n_i . z^m_k / tau_m: the only place the dimension d appears.
   a = jnp.einsum("id,mkd->imk", anchor, targets.scaled_others)
   positive = jnp.einsum("imi->i", a) + jnp.einsum("pii->i", targets.pair_logits)
@@ -388,7 +394,8 @@ def muscle_loss(
 
   Args:
     anchor: ``[B, d]`` L2-normalised anchor representations ``Z^n``.
-    others: ``[M, B, d]`` L2-normalised representations of the other models.
+    others: ``[M, B, d]`` L2-normalised representations of the other models (or a
+      sequence of ``M`` arrays ``[B, d]``).
     tau: scalar or ``[M]`` anchor-other temperatures ``tau^{(M+1)}_{n,m}``.
     gamma: scalar or ``[M, M]`` other-other weights
       (:func:`muscle_gamma`); the diagonal is ignored.
@@ -399,6 +406,7 @@ def muscle_loss(
   Returns:
     ``[B]`` per-anchor losses.
   """
+  others = stack_others(others)
   targets = muscle_server_targets(others, tau=tau, gamma=gamma)
   logit_range = muscle_logit_range(tau, gamma, others.shape[0])
   return muscle_client_loss(
@@ -417,13 +425,15 @@ def muscle_paper_targets(
   would send, not to train with.
 
   Args:
-    others: ``[M, B, d]`` L2-normalised partner representations.
+    others: ``[M, B, d]`` L2-normalised partner representations (or a
+      sequence of ``M`` arrays ``[B, d]``).
     tau: scalar or ``[M]`` anchor-other temperatures.
     gamma: scalar or ``[M, M]`` other-other weights.
 
   Returns:
     ``(S, log_alpha)`` with shapes ``[B^M, d]`` and ``[B^M]``.
   """
+  others = stack_others(others)
   targets = muscle_server_targets(others, tau=tau, gamma=gamma)
   num_others, batch, dim = targets.scaled_others.shape
   s = jnp.zeros((batch,) * num_others + (dim,), others.dtype)
