@@ -421,6 +421,19 @@ def test_fedavg_select_by_path_keeps_the_rest_personal():
   assert jax.tree.leaves(aggregate["hidden"]) == []
 
 
+def test_fedavg_names_the_leaves_not_stacked_over_the_weights_clients():
+  params = {"out": {"kernel": jnp.ones((4, 3, 2)), "bias": jnp.ones((3, 2))}, "step": jnp.ones(())}
+  with pytest.raises(ValueError, match=r"K=4 .*: \['out'\]\['bias'\] \(3, 2\), \['step'\] \(\)\.$"):
+    server.fedavg(params, jnp.ones(4))
+  with pytest.raises(
+    ValueError, match=r"weights must be \[K\], one per client, got shape \(4, 1\)"
+  ):
+    server.weighted_mean(params["out"]["kernel"], jnp.ones((4, 1)))
+  # Leaves the predicate leaves out are each client's own: their shapes are not checked.
+  _, aggregate = server.fedavg(params, jnp.ones(4), select=lambda path: "kernel" in str(path))
+  np.testing.assert_array_equal(aggregate["out"]["kernel"], np.ones((3, 2)))
+
+
 def test_evaluate_metrics_match_numpy():
   group, state = make_group(len(SIZES))
   data = _data()

@@ -40,6 +40,7 @@ def weighted_mean(stacked: PyTree, weights: Array) -> PyTree:
     pytree of ``[...]`` arrays. If every weight is 0 the result is 0.
   """
   weights = jnp.asarray(weights, jnp.float32)
+  _check_stacked(stacked, weights)
   total = jnp.sum(weights)
   safe = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
 
@@ -48,6 +49,30 @@ def weighted_mean(stacked: PyTree, weights: Array) -> PyTree:
     return jnp.sum(w * x, axis=0)
 
   return jax.tree.map(mean, stacked)
+
+
+def _check_stacked(stacked: PyTree, weights: Array) -> None:
+  """Raises unless ``weights`` is ``[K]`` and every leaf of ``stacked`` is ``[K, ...]``.
+
+  Static shapes only, so it costs nothing under ``jit``; without it a mismatch is a
+  broadcasting error (or, for a ``[K, K]`` leaf and ``K`` weights of another
+  meaning, a silently wrong mean).
+  """
+  if jnp.ndim(weights) != 1:
+    raise ValueError(f"weights must be [K], one per client, got shape {jnp.shape(weights)}.")
+  num_clients = jnp.shape(weights)[0]
+  leaves = jax.tree_util.tree_leaves_with_path(stacked)
+  bad = [
+    f"{jax.tree_util.keystr(path) or 'the array'} {jnp.shape(x)}"
+    for path, x in leaves
+    if jnp.ndim(x) == 0 or jnp.shape(x)[0] != num_clients
+  ]
+  if bad:
+    raise ValueError(
+      f"every leaf must be stacked over the K={num_clients} clients of the weights "
+      f"([K, ...]); these are not: {', '.join(bad[:5])}"
+      + (f" and {len(bad) - 5} more." if len(bad) > 5 else ".")
+    )
 
 
 def broadcast(tree: PyTree, num_clients: int) -> PyTree:
@@ -94,6 +119,10 @@ def fedavg(
     ``(new_stacked, aggregate)`` where ``aggregate`` holds the weighted means of
     the selected leaves (``None`` for unselected ones).
   """
+  selected = jax.tree_util.tree_map_with_path(
+    lambda path, x: x if select is None or select(path) else None, stacked
+  )
+  _check_stacked(selected, jnp.asarray(weights))
   num_clients = jnp.shape(weights)[0]
 
   def one(path, x):
