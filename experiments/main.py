@@ -14,7 +14,9 @@ Ctrl-C and SIGTERM stop a run cleanly: the checkpoint being saved is finished,
 a line says so on stderr, and the exit status is 128 + the signal's number
 (130, 143); the same command then resumes. In a job of several processes, SIGTERM
 (a preemption notice) or Ctrl-C to any of them stops all of them after the same
-round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once).
+round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once). A
+process of such a job that stops alone, on an error only it met, leaves the job at
+once, and the others stop within seconds on the closed connection (exit 1).
 A write that fails for want of space (or a quota, a read-only or failing disk) is
 one line too, with exit status 2: the checkpoints written so far are kept, and the
 same command resumes from them.
@@ -271,8 +273,49 @@ def _sigint_as_notice(signum, frame):
   os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _leave_the_job(code: int) -> None:
+  """Ends this process of a multi-process job now, without JAX's shutdown barrier.
+
+  A process that stops alone (an error only it met, a second Ctrl-C) has already
+  unwound: its checkpoint saves are finished, its files closed, the workdir's lock
+  released. On a normal exit JAX's ``atexit`` would then wait at a barrier for the
+  other processes, who wait on this one's collectives: each side timed out after
+  about 5 minutes (``shutdown_timeout_seconds``) and every process aborted with a
+  page of C++ stack trace. Leaving at once closes this process's connections, and
+  the others' collectives and coordination service fail within seconds.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
 def main(argv):
   del argv
+  try:
+    _main()
+  except SystemExit as e:  # A preemption (143) stops every process after one round: no leaving.
+    if _in_a_job() and e.code not in (None, 0, 128 + signal.SIGTERM):
+      _leave_the_job(e.code if isinstance(e.code, int) else 1)
+    raise
+  except BaseException:
+    if not _in_a_job():
+      raise
+    traceback.print_exc()
+    print(
+      f"\nerror: process {jax.process_index()} of the job's {jax.process_count()} stopped on "
+      "the error above and leaves the job (if it is a closed connection, another process "
+      "stopped first: its output says why); the same command resumes from the last round "
+      "checkpointed.",
+      file=sys.stderr,
+    )
+    _leave_the_job(1)
+
+
+def _in_a_job() -> bool:
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _main():
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   try:

@@ -44,7 +44,7 @@ def _launch(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
   return _finish(_start(workdir, *overrides, cache_dir=cache_dir, config=config, base=base))
 
 
-def _start(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
+def _start(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES, env=None, **kwargs):
   """Starts the command as processes 0 and 1 of one job; :func:`_finish` waits for them."""
   flags = ["--distributed", f"--coordinator=localhost:{_free_port()}", "--num_processes=2"]
   return [
@@ -56,17 +56,18 @@ def _start(workdir, *overrides, cache_dir, config=CONFIG, base=OVERRIDES):
       *flags,
       f"--process_id={i}",
       cache_dir=cache_dir,
-      env=ENV,
+      env=ENV | (env or {}),
+      **kwargs,
     )
     for i in range(2)
   ]
 
 
-def _finish(procs):
+def _finish(procs, timeout=900):
   """Waits for both processes: ``[(exit code, stdout, stderr)] * 2``."""
   try:  # Both pipes drained at once: a process blocked on a full pipe would stall the other.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      outputs = list(pool.map(lambda p: p.communicate(timeout=900), procs))
+      outputs = list(pool.map(lambda p: p.communicate(timeout=timeout), procs))
   finally:
     for p in procs:
       p.kill()
@@ -263,6 +264,53 @@ def test_sigterm_to_one_process_stops_the_job_after_one_round_and_it_resumes(tmp
   (code0, out0, err0), (code1, _, err1) = _launch(workdir, *rounds, cache_dir=main_cache)
   assert code0 == 0 and code1 == 0, (err0[-3000:], err1[-3000:])
   assert f"resumed at round {resumed}" in out0
+  assert (workdir / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
+  assert _results(workdir) == _results(one)
+
+
+LEAVES = (
+  "error: process {} of the job's 2 stopped on the error above and leaves the job (if it is "
+  "a closed connection, another process stopped first: its output says why); the same "
+  "command resumes from the last round checkpointed."
+)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_process_that_fails_alone_ends_the_job_at_once_and_it_resumes(
+  runs, tmp_path, main_cache, failing
+):
+  """One process fails in round 2 while the other waits in the round's collectives.
+
+  JAX's exit would hold the failing process at its shutdown barrier, waiting for the
+  other, which waited on its collectives: both aborted after 318 s with a C++ stack
+  trace (exit 134), the failing one's own error line printed long before. Leaving
+  the job at once ends both in seconds: the failing one with its own error (a full
+  disk: one line, exit 2; anything else: its traceback, exit 1), the other on the
+  closed connection, exit 1. The same command then resumes from round 1.
+  """
+  one, _, _ = runs
+  workdir = tmp_path / "run"
+  procs = _start(
+    workdir,
+    cache_dir=main_cache,
+    env={"LONE_FAILURE": f"{failing}:2"},
+    module="tests.lone_failure_main",
+  )
+  (code0, _, err0), (code1, _, err1) = _finish(procs, timeout=150)  # Not the 300 s barrier.
+  if failing == 0:
+    assert code0 == 2, err0[-3000:]
+    assert f"error: a write failed: No space left on device ({workdir}/metrics.jsonl)" in err0
+    assert "Traceback" not in err0 and LEAVES.format(0) not in err0
+    assert code1 == 1 and err1.rstrip().endswith(LEAVES.format(1)), err1[-3000:]
+  else:
+    assert code1 == 1 and err1.rstrip().endswith(LEAVES.format(1)), err1[-3000:]
+    assert "RuntimeError: lone_failure_main: process 1 fails in round 2" in err1
+    assert code0 == 1 and err0.rstrip().endswith(LEAVES.format(0)), err0[-3000:]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
+  assert not (workdir / ".lock").exists()
+  (code0, out0, err0), (code1, _, err1) = _launch(workdir, cache_dir=main_cache)
+  assert code0 == 0 and code1 == 0, (err0[-3000:], err1[-3000:])
+  assert "resumed at round 1" in out0
   assert (workdir / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
   assert _results(workdir) == _results(one)
 

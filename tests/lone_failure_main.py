@@ -1,0 +1,45 @@
+"""``python -m tests.lone_failure_main FLAGS``: ``experiments.main`` where one process fails alone.
+
+The environment's ``LONE_FAILURE=P:R`` makes process ``P`` of a job fail in round
+``R``, on its own: process 0 as a full disk fails the metric line it writes
+(``OSError`` ENOSPC; only process 0 writes them), any other process with a
+``RuntimeError`` before it saves the round's checkpoint. The other processes are
+then inside the round's collectives (the save's), waiting on it. Without the
+variable the command runs as it is.
+"""
+
+import errno
+import os
+import runpy
+
+import jax
+
+from fedjax_mm.core import processes
+from fedjax_mm.runner import writers
+
+
+def _patch(process: int, at_round: int) -> None:
+  if process == 0:
+    write = writers.MetricWriter.write
+
+    def failing_write(self, step, scalars):
+      if int(step) >= at_round:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+      return write(self, step, scalars)
+
+    writers.MetricWriter.write = failing_write
+    return
+  preempted = processes.preempted
+
+  def failing(step):  # Called once a round, before the round's checkpoint is saved.
+    if jax.process_index() == process and step >= at_round:
+      raise RuntimeError(f"lone_failure_main: process {process} fails in round {step}")
+    return preempted(step)
+
+  processes.preempted = failing
+
+
+if __name__ == "__main__":
+  if os.environ.get("LONE_FAILURE"):
+    _patch(*map(int, os.environ["LONE_FAILURE"].split(":")))
+  runpy.run_module("experiments.main", run_name="__main__", alter_sys=True)
