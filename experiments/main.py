@@ -366,7 +366,7 @@ def _main():
   except Preempted as e:
     print(
       f"\nstopped by SIGTERM or Ctrl-C to a process of the job: every process stopped after "
-      f"round {e.round}, which is checkpointed in {workdir}; the same command resumes from it",
+      f"{e.where}, which is checkpointed in {workdir}; the same command resumes from it",
       file=sys.stderr,
     )
     sys.exit(128 + signal.SIGTERM)

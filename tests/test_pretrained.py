@@ -240,6 +240,75 @@ def test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality(tmp_path
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _folders_and_lines(workdir):
+  """Every tensor of every folder the run wrote, and its metric lines."""
+  folder = workdir / "world-clip"
+  tensors = {p.name: pretrained.read_tensors(p) for p in sorted(folder.iterdir())}
+  return tensors, (workdir / "metrics.jsonl").read_text()
+
+
+def test_pretraining_resumes_from_the_last_epoch_bit_for_bit(tmp_path, monkeypatch):
+  """A stop inside a pair keeps its epochs: a preemption after an epoch, then Ctrl-C inside
+  the next; the run resumed twice writes what the uninterrupted run writes. The job's
+  agreement on a notice (processes.preempted) is asked once per epoch of the run, in
+  order, finished pairs' epochs included."""
+  config = _tiny_config()
+  config.default_epochs = 2  # Two pairs of 2 epochs: steps 1, 2 (vit_t), 3, 4 (cnn_s).
+  pretrain.run(config, tmp_path / "one", progress=False)
+  reference = _folders_and_lines(tmp_path / "one")
+  workdir = tmp_path / "run"
+  asked = []
+
+  def preempted(step):
+    asked.append(step)
+    return step == 3  # A notice during cnn_s's first epoch.
+
+  monkeypatch.setattr(pretrain.processes, "preempted", preempted)
+  with pytest.raises(pretrain.Preempted) as info:
+    pretrain.run(config, workdir, progress=False)
+  assert info.value.where == "epoch 1 of cnn_s+transformer_t" and asked == [1, 2, 3]
+  assert sorted(p.name for p in (workdir / "world-clip").iterdir()) == ["transformer_t", "vit_t"]
+  pair = workdir / "checkpoints" / "cnn_s+transformer_t"
+  assert sorted(p.name for p in pair.iterdir()) == ["1"]
+  assert not (workdir / "checkpoints" / "vit_t+transformer_t").exists()
+
+  # Ctrl-C inside cnn_s's second epoch (while it is evaluated): epoch 1 is what is kept.
+  asked.clear()
+  monkeypatch.setattr(pretrain.processes, "preempted", lambda step: asked.append(step) or False)
+  evaluate = pretrain.evaluate
+
+  def interrupted(model, *splits):
+    if model.image_encoder.__class__.__name__.lower().startswith("cnn"):
+      raise KeyboardInterrupt
+    return evaluate(model, *splits)
+
+  monkeypatch.setattr(pretrain, "evaluate", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    pretrain.run(config, workdir, progress=False)
+  assert asked == [1, 2, 3] and sorted(p.name for p in pair.iterdir()) == ["1"]
+
+  asked.clear()
+  cnn_evaluations = []
+
+  def counted(model, *splits):
+    cnn_evaluations.append(model.image_encoder.__class__.__name__)
+    return evaluate(model, *splits)
+
+  monkeypatch.setattr(pretrain, "evaluate", counted)
+  pretrain.run(config, workdir, progress=False)
+  assert asked == [1, 2, 3, 4]
+  # Only cnn_s's second epoch was trained: its curve point and the final measure.
+  assert len(cnn_evaluations) == 2, cnn_evaluations
+  assert list((workdir / "checkpoints").iterdir()) == []
+  tensors, lines = _folders_and_lines(workdir)
+  assert lines == reference[1]
+  assert tensors.keys() == reference[0].keys()
+  for name, got in tensors.items():
+    assert got.keys() == reference[0][name].keys(), name
+    for key, value in got.items():
+      np.testing.assert_array_equal(value, reference[0][name][key], err_msg=f"{name} {key}")
+
+
 def _eval_splits(config):
   seed = pretrain.WEB_SEED + config.seed
   held_out = data.generate(seed + 1, config.eval_pairs, shift=config.web.shift)

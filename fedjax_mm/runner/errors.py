@@ -25,12 +25,15 @@ class Preempted(Exception):  # noqa: N818 - a stop, like KeyboardInterrupt, not 
   """Every process of the job stopped after round ``round`` on a preemption notice.
 
   Raised by the loop once :func:`fedjax_mm.core.processes.preempted` agrees, with
-  that round checkpointed (its save finished on the way out).
+  that round checkpointed (its save finished on the way out); by pretraining after
+  an epoch. ``where`` names the point for the user: ``"round 12"`` (the default),
+  ``"epoch 3 of cnn_m+transformer_t"``.
   """
 
-  def __init__(self, round_: int):
+  def __init__(self, round_: int, where: str | None = None):
     super().__init__(round_)
     self.round = round_
+    self.where = where or f"round {round_}"
 
 
 def checkpoint_note(latest_round: int | None) -> str:

@@ -28,9 +28,16 @@
    (:func:`~fedjax_mm.models.pretrained.feature_stats`), which a user model
    may standardise with (``standardize`` in :func:`fedjax_mm.models.build`).
 
-A rerun resumes at pair granularity: a pair whose folders are complete is
-evaluated from them instead of retrained (folders written before the
-statistics existed get them added, every other tensor kept). The workdir is held like the
+Nothing but the epoch in progress is lost on a stop. Each unfinished pair's
+state (parameters and optimiser) is checkpointed after every epoch in
+``workdir/checkpoints/<image>+<text>`` (removed once its folders are written),
+and a rerun resumes it from its last epoch, bit for bit; a pair whose folders
+are complete is evaluated from them instead of retrained (folders written
+before the statistics existed get them added, every other tensor kept). In a
+job of several processes a preemption notice (SIGTERM, Ctrl-C) stops every
+process after the same epoch (:func:`fedjax_mm.core.processes.preempted`, asked
+once per epoch of the run, finished pairs' included), as the federated loop
+stops after a round. The workdir is held like the
 federated runs' (:func:`~fedjax_mm.runner.workdir.claim_workdir`: one run per
 workdir; in a multi-process job process 0 writes). The shipped weights
 (``fedjax_mm/weights/world-clip``) are this run's folders at the default
@@ -43,7 +50,9 @@ import contextlib
 import json
 import math
 import pathlib
+import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,12 +64,15 @@ from flax import nnx
 from fedjax_mm import data, metrics, models
 from fedjax_mm.algorithms import clip, probe
 from fedjax_mm.core import processes
+from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.models import pretrained
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.errors import ConfigError, Preempted
 from fedjax_mm.runner.workdir import claim_workdir
 from fedjax_mm.runner.writers import MetricWriter
 
+#: Each unfinished pair's state after every epoch: ``workdir/checkpoints/<image>+<text>``.
+CHECKPOINTS = "checkpoints"
 #: Seeds of the web split start here; federated splits use ``seed * 1000 + k``.
 WEB_SEED = 1 << 30
 #: Probe targets: name -> (data key, outputs, multilabel).
@@ -145,12 +157,35 @@ def _model(config, image_name: str, text_name: str, key: jax.Array) -> clip.Clip
 
 
 def train_pair(
-  config, image_name, text_name, web, key, *, progress=True, writer=None, evaluate_fn=None
+  config,
+  image_name,
+  text_name,
+  web,
+  key,
+  *,
+  progress=True,
+  workdir=None,
+  evaluate_fn=None,
+  checkpointer: Checkpointer | None = None,
+  stop: Callable[[], bool] | None = None,
 ):
   """Pretrains one pair; returns the trained :class:`~fedjax_mm.algorithms.clip.ClipModel`.
 
-  ``evaluate_fn(model) -> dict``, if given, is measured after every epoch and
-  written beside the loss (the learning curve of the report).
+  Args:
+    config, image_name, text_name, web, key: the run's config, the pair, the web
+      split and the pair's key (its initialisation and its batches).
+    progress: show a bar of the pair's steps.
+    workdir: where the pair's metric lines go (the run ``<image>+<text>``: the
+      loss and ``evaluate_fn``'s figures per epoch); None writes none.
+    evaluate_fn: ``evaluate_fn(model) -> dict``, measured after every epoch.
+    checkpointer: where the state (parameters and optimiser) is saved after every
+      epoch; training resumes from its newest intact epoch, bit for bit (an
+      epoch's batches depend on the key and the epoch alone), and the pair's
+      metric lines past that epoch are dropped.
+    stop: called once per epoch, in order (first once per epoch restored, then
+      after each epoch trained and saved); True raises
+      :class:`~fedjax_mm.runner.errors.Preempted` there. What
+      :func:`fedjax_mm.core.processes.preempted` needs, counted over the run.
   """
   init_key, data_key = jax.random.split(key)
   model = _model(config, image_name, text_name, init_key)
@@ -160,6 +195,16 @@ def train_pair(
   epochs = epochs_for(config, image_name)
   trainer = clip.ClipTrainer(graphdef, _optimizer(config, epochs * steps_per_epoch))
   opt_state = trainer.tx.init(params)
+  pair = f"{image_name}+{text_name}"
+  start = 0
+  if checkpointer is not None:
+    restored = checkpointer.restore_latest_good({"params": params, "opt_state": opt_state})
+    if restored is not None:
+      start, state = restored
+      params, opt_state = state["params"], state["opt_state"]
+  for _ in range(start):  # Catch up: the epochs restored count as passed.
+    if stop is not None and stop():
+      raise Preempted(start, where=f"epoch {start} of {pair}")
   images, captions = jnp.asarray(web["image"]), jnp.asarray(web["caption"])
   num_captions = captions.shape[1]
 
@@ -170,38 +215,44 @@ def train_pair(
     which = jax.random.randint(jax.random.fold_in(cap_key, s), (b,), 0, num_captions)
     return trainer.step(params, opt_state, images[idx], captions[idx, which])
 
+  writer = None if workdir is None else MetricWriter(workdir, pair, resume_round=start)
   bar = None
   if progress:
     from tqdm.auto import tqdm
 
     bar = tqdm(
+      initial=start * steps_per_epoch,
       total=epochs * steps_per_epoch,
-      desc=f"{image_name}+{text_name}",
+      desc=pair,
       unit="step",
       dynamic_ncols=True,
     )
-  for e in range(epochs):
-    perm_key, cap_key = jax.random.split(jax.random.fold_in(data_key, e))
-    total = 0.0
-    for s in range(steps_per_epoch):
-      params, opt_state, loss = step(params, opt_state, (perm_key, cap_key, s))
-      if bar is not None:
-        bar.update(1)
-        if s % 20 == 0:
-          bar.set_postfix(epoch=e + 1, loss=f"{float(loss):.3f}")
-      total += loss
-    mean_loss = float(total) / steps_per_epoch
-    if not math.isfinite(mean_loss):
-      raise FloatingPointError(
-        f"{image_name}+{text_name}: the loss became {mean_loss} in epoch {e + 1}."
-      )
-    if writer is not None:
-      scalars = {"loss": mean_loss, "temperature": float(jnp.exp(-params["logit_scale"][...]))}
-      if evaluate_fn is not None:
-        scalars |= evaluate_fn(nnx.merge(graphdef, params))
-      writer.write(e + 1, scalars)
-  if bar is not None:
-    bar.close()
+  with contextlib.ExitStack() as stack:
+    for resource in (writer, bar):
+      if resource is not None:
+        stack.enter_context(resource)
+    for e in range(start, epochs):
+      perm_key, cap_key = jax.random.split(jax.random.fold_in(data_key, e))
+      total = 0.0
+      for s in range(steps_per_epoch):
+        params, opt_state, loss = step(params, opt_state, (perm_key, cap_key, s))
+        if bar is not None:
+          bar.update(1)
+          if s % 20 == 0:
+            bar.set_postfix(epoch=e + 1, loss=f"{float(loss):.3f}")
+        total += loss
+      mean_loss = float(total) / steps_per_epoch
+      if not math.isfinite(mean_loss):
+        raise FloatingPointError(f"{pair}: the loss became {mean_loss} in epoch {e + 1}.")
+      if writer is not None:
+        scalars = {"loss": mean_loss, "temperature": float(jnp.exp(-params["logit_scale"][...]))}
+        if evaluate_fn is not None:
+          scalars |= evaluate_fn(nnx.merge(graphdef, params))
+        writer.write(e + 1, scalars)
+      if checkpointer is not None:
+        checkpointer.save(e + 1, {"params": params, "opt_state": opt_state})
+      if stop is not None and stop():  # After a pair's last epoch too: the rerun saves it.
+        raise Preempted(e + 1, where=f"epoch {e + 1} of {pair}")
   return nnx.merge(graphdef, params)
 
 
@@ -374,17 +425,32 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
   steps_per_epoch = config.web.size // config.batch_size
   root = jax.random.key(config.seed)
   results = {"trivial": trivial_baselines(probe_train, probe_test), "pairs": {}}
+  # Every epoch of the run, finished pairs' included, is one step of the job's
+  # agreement on a preemption notice (processes.preempted: consecutive steps from 1);
+  # a notice after the run's last epoch is no stop.
+  epochs_in_all = sum(epochs_for(config, image_name) for image_name, _ in pairs)
+  passed = 0
+
+  def stop() -> bool:
+    nonlocal passed
+    passed += 1
+    return processes.preempted(passed) and passed < epochs_in_all
+
   for i, (image_name, text_name) in enumerate(pairs):
     pair = f"{image_name}+{text_name}"
+    checkpoints = workdir / CHECKPOINTS / pair
     done = (out_dir / image_name / pretrained.CONFIG_FILE).is_file()
     if done:  # Resume: this pair was finished by an earlier run.
       quality = pretrained.read_config(out_dir / image_name)["quality"]
+      for epoch in range(1, epochs_for(config, image_name) + 1):
+        if stop():
+          raise Preempted(passed, where=f"epoch {epoch} of {pair}")
       if writes:
         owner = text_owner[text_name] == image_name
         _add_missing_stats(config, out_dir, image_name, text_name, owner, web)
+        shutil.rmtree(checkpoints, ignore_errors=True)  # Left by a stop after its folders.
     else:
-      writer = MetricWriter(workdir, pair, resume_round=-1) if writes else None
-      with contextlib.nullcontext() if writer is None else writer:
+      with Checkpointer(checkpoints, max_to_keep=1) as checkpointer:
         model = train_pair(
           config,
           image_name,
@@ -392,8 +458,10 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           web,
           jax.random.fold_in(root, i),
           progress=progress,
-          writer=writer,
+          workdir=workdir if writes else None,
           evaluate_fn=lambda m: evaluate(m, probe_train, probe_test, held_out),
+          checkpointer=checkpointer,
+          stop=stop,
         )
       # Measure what is shipped: the parameters after the round trip through the stored dtype.
       _round_trip(model, config.dtype)
@@ -411,6 +479,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           steps,
           web,
         )
+        shutil.rmtree(checkpoints)  # The folders hold the pair now.
     results["pairs"][pair] = quality
   results["wall_time_s"] = time.time() - started
   return results
