@@ -30,7 +30,10 @@ format: ``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
 A workdir that is not a finished run (no ``config.json``, or no ``results.json``:
 still running, stopped or preempted) is refused before anything is read, all of
 them in one ``error:`` line with how far each got, exit status 2: a mean over
-fewer seeds than were asked for would pass unnoticed.
+fewer seeds than were asked for would pass unnoticed. So are, in one line each, runs
+of another experiment than ``--format``'s (:data:`FORMAT_KEYS`), a ``--keys`` entry
+that is not a number in every run's ``results.json`` (with what the run is and the
+numbers it holds), and a format's runs whose configs differ in more than the seed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from fedjax_mm.runner import format_table, mean_std
+from fedjax_mm.runner.errors import SummaryError
 from fedjax_mm.runner.workdir import config_diff
 
 _KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (dotted paths).")
@@ -55,6 +59,54 @@ _FORMAT = flags.DEFINE_enum(
   "generic table, FedSCMR's Tables 1-4, CreamFL's Recall@K table, FedRGB's or RCSR's"
   " retrieval table.",
 )
+
+
+#: What marks a run of each --format's experiment: top-level keys of its results.json.
+FORMAT_KEYS = {
+  "fedscmr": ("ns", "methods_global"),
+  "creamfl": ("r1_sum", "recall"),
+  "fedrgb": ("methods", "distortion_steps"),
+  "rcsr": ("methods", "modality"),
+}
+
+
+def _results(workdir: pathlib.Path) -> dict:
+  return json.loads((workdir / "results.json").read_text())
+
+
+def _kind(results: dict) -> str:
+  """Which experiment wrote ``results``, as the command reads it: ``--format=<name>``,
+  FedMuscle's generic table, or neither."""
+  for name, keys in FORMAT_KEYS.items():
+    if all(k in results for k in keys):
+      return f"a {name} run: --format={name}"
+  if "delta" in results:
+    return "a fedmuscle run: the generic table"
+  if "pairs" in results and "trivial" in results:
+    return "a pretraining run: its report.md holds its table"
+  return "no run this command has a table for"
+
+
+def wrong_format(workdirs: Sequence[str | pathlib.Path], fmt: str) -> list[str]:
+  """Each of ``workdirs`` whose ``results.json`` is not a run of ``fmt``, with what it is."""
+  problems = []
+  for workdir in map(pathlib.Path, workdirs):
+    results = _results(workdir)
+    if not all(k in results for k in FORMAT_KEYS[fmt]):
+      problems.append(f"{workdir} ({_kind(results)})")
+  return problems
+
+
+def _numeric_keys(value, prefix="") -> list[str]:
+  """Dotted paths of the numbers in a results document (list items by index)."""
+  if isinstance(value, bool) or value is None:
+    return []
+  if isinstance(value, (int, float)):
+    return [prefix]
+  items = value.items() if isinstance(value, dict) else enumerate(value)
+  if not isinstance(value, (dict, list)):
+    return []
+  return [p for k, v in items for p in _numeric_keys(v, f"{prefix}.{k}" if prefix else str(k))]
 
 
 def _lookup(results: dict, key: str) -> float:
@@ -88,6 +140,17 @@ def summarize(
     runs.append((workdir, config, json.loads(results_path.read_text())))
   if not runs:
     raise ValueError("no workdirs given.")
+  for workdir, _, results in runs:
+    numbers = _numeric_keys(results)
+    missing = [k for k in keys if k not in numbers]
+    if missing:
+      shown = ", ".join(numbers[:12]) + (
+        f" and {len(numbers) - 12} more" if len(numbers) > 12 else ""
+      )
+      raise SummaryError(
+        f"{workdir}/results.json has no number at {', '.join(map(repr, missing))} (--keys); "
+        f"it is {_kind(results)}; its numbers: {shown or 'none'}."
+      )
 
   groups: dict[str, list] = {}
   for workdir, config, results in runs:
@@ -155,12 +218,19 @@ def main(argv):
       file=sys.stderr,
     )
     sys.exit(2)
-  if _FORMAT.value != "generic":
+  try:
+    if _FORMAT.value == "generic":
+      print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
+      return
+    problems = wrong_format(argv[1:], _FORMAT.value)
+    if problems:
+      raise SummaryError(f"not {_FORMAT.value} runs: {'; '.join(problems)}.")
     import importlib  # The runners import jax: only when asked for.
 
     print(importlib.import_module(f"fedjax_mm.runner.{_FORMAT.value}").summarize(argv[1:]))
-    return
-  print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
+  except SummaryError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

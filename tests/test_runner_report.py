@@ -132,8 +132,13 @@ def test_load_seed_runs_and_seed_cell(tmp_path):
   a, b = run("a", 0), run("b", 1)
   results, configs = report.load_seed_runs([a, b])
   assert [r["value"] for r in results] == [0, 1] and [c["seed"] for c in configs] == [0, 1]
-  with pytest.raises(ValueError, match="differ in more than the seed"):
-    report.load_seed_runs([a, run("c", 2, lr=0.2)])
+  c = run("c", 2, lr=0.2)
+  with pytest.raises(report.SummaryError) as info:
+    report.load_seed_runs([a, c])
+  assert str(info.value) == (
+    f"the runs differ in more than the seed ({a} and {c}: lr: 0.1 != 0.2); summarise them "
+    "separately."
+  )
   with pytest.raises(FileNotFoundError, match="has not finished"):
     report.load_seed_runs([a, run("d", 3, finished=False)])
   with pytest.raises(ValueError, match="no workdirs"):

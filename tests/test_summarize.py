@@ -62,3 +62,46 @@ def test_the_command_refuses_every_unfinished_workdir_in_one_line(tmp_path, caps
     "config.json: not a run's workdir). Finish a run with the command that started it (it "
     "resumes), or leave it out.\n"
   )
+
+
+def _results_only(path, results):
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"seed": 0}))
+  (path / "results.json").write_text(json.dumps(results))
+  return path
+
+
+def test_a_run_the_table_does_not_fit_is_one_line_naming_what_it_is(tmp_path, capsys):
+  """A key the run lacks, or a --format of another experiment, was a KeyError traceback (or,
+  --format=fedscmr on a pretraining run, an empty table)."""
+  fedscmr = _results_only(tmp_path / "fedscmr", {"ns": [5], "methods_global": {}, "rounds": 2})
+  pretraining = _results_only(tmp_path / "pretrain", {"pairs": {"a+b": {"R@1": 3}}, "trivial": {}})
+  muscle = _run(tmp_path / "muscle", 0, "muscle", 0.1, [0.5, 0.7])
+  cases = [
+    (
+      ["--keys=delta", fedscmr],
+      f"error: {fedscmr}/results.json has no number at 'delta' (--keys); it is a fedscmr run: "
+      "--format=fedscmr; its numbers: ns.0, rounds.",
+    ),
+    (
+      ["--keys=fedmuscle.2,delta", muscle],
+      f"error: {muscle}/results.json has no number at 'fedmuscle.2' (--keys); it is a "
+      "fedmuscle run: the generic table; its numbers: delta, fedmuscle.0, fedmuscle.1.",
+    ),
+    (
+      ["--format=rcsr", fedscmr, pretraining, muscle],
+      f"error: not rcsr runs: {fedscmr} (a fedscmr run: --format=fedscmr); {pretraining} (a "
+      f"pretraining run: its report.md holds its table); {muscle} (a fedmuscle run: the "
+      "generic table).",
+    ),
+  ]
+  from absl import flags
+
+  for args, line in cases:
+    flags.FLAGS.unparse_flags()
+    argv = flags.FLAGS(["summarize", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+      summarize.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err == line + "\n", err
+  flags.FLAGS.unparse_flags()

@@ -109,7 +109,7 @@ from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner import text as text_lib
-from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.errors import ConfigError, SummaryError
 from fedjax_mm.runner.tfds_sets import data_source, read_disjoint, reader
 
 LOCAL = "local"
@@ -1395,12 +1395,12 @@ def summarize(workdirs) -> str:
   runs = [json.loads((pathlib.Path(w) / "results.json").read_text()) for w in workdirs]
   for w, r in zip(workdirs, runs, strict=True):
     if "protocol" not in r:
-      raise ValueError(
+      raise SummaryError(
         f"{w}: results.json predates the public-distribution 1K/5K protocol; run it again."
       )
   sizes = runs[0]["protocol"]["test_sizes"]
   if any(r["protocol"]["test_sizes"] != sizes for r in runs):
-    raise ValueError("the runs were evaluated on different test sizes.")
+    raise SummaryError("the runs were evaluated on different test sizes.")
   methods = [m for m in runs[0]["recall"] if all(m in r["recall"] for r in runs)]
 
   def cell(values):

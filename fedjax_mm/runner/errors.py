@@ -36,6 +36,13 @@ class Preempted(Exception):  # noqa: N818 - a stop, like KeyboardInterrupt, not 
     self.where = where or f"round {round_}"
 
 
+class SummaryError(ValueError):
+  """Workdirs that cannot be summarised (together, or in the format asked for), in one line.
+
+  ``python -m experiments.summarize`` prints it as ``error: ...`` with exit status 2.
+  """
+
+
 def checkpoint_note(latest_round: int | None) -> str:
   """How a :class:`NonFiniteError` message ends: what a relaunch would resume from.
 

@@ -47,6 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_mm.runner.errors import SummaryError
+from fedjax_mm.runner.workdir import config_diff
+
 __all__ = [
   "format_table",
   "load_seed_runs",
@@ -216,8 +219,9 @@ def load_seed_runs(workdirs: Iterable[str | os.PathLike[str]]) -> tuple[list[dic
   ``results.json`` (else the run has not finished) and the configs must agree on
   every key but ``seed``; both failures raise with one line.
   """
+  workdirs = [Path(w) for w in workdirs]
   runs, configs = [], []
-  for w in map(Path, workdirs):
+  for w in workdirs:
     if not (w / "results.json").exists():
       raise FileNotFoundError(f"{w} has no results.json: the run has not finished.")
     runs.append(json.loads((w / "results.json").read_text()))
@@ -225,8 +229,13 @@ def load_seed_runs(workdirs: Iterable[str | os.PathLike[str]]) -> tuple[list[dic
   if not runs:
     raise ValueError("no workdirs given.")
   strip = lambda c: {k: v for k, v in c.items() if k != "seed"}
-  if any(strip(c) != strip(configs[0]) for c in configs):
-    raise ValueError("the runs differ in more than the seed; summarise them separately.")
+  for w, c in zip(workdirs, configs, strict=True):
+    if strip(c) != strip(configs[0]):
+      differ = "; ".join(config_diff(strip(configs[0]), strip(c)))
+      raise SummaryError(
+        f"the runs differ in more than the seed ({workdirs[0]} and {w}: {differ}); "
+        "summarise them separately."
+      )
   return runs, configs
 
 
