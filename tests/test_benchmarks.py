@@ -150,3 +150,24 @@ def test_vs_flower_runs_the_engine_alone_without_the_peers_extra():
   assert "engine on 2 device(s), client_map auto = 'scan'" in out
   rate = re.search(r"^\s+2 \|\s+([\d.]+)$", out, re.M).group(1)
   assert float(rate) > 0
+
+
+@pytest.mark.parametrize(
+  "module,flag",
+  [
+    ("engine_throughput", "--clients=8,abc"),
+    ("vs_flower", "--clients=0"),
+    ("vs_flower", "--torch_threads=two"),
+  ],
+)
+def test_a_bad_count_is_a_flag_error_not_a_traceback(module, flag):
+  done = subprocess.run(
+    [sys.executable, "-m", f"experiments.benchmarks.{module}", flag],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  name = flag[2:].split("=")[0]
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert f"--{name} must be positive integers, comma-separated" in done.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-from absl import app
+from absl import app, flags
 
 from fedjax_mm import core
 
@@ -34,3 +34,18 @@ def auto_client_map(mesh: jax.sharding.Mesh) -> str:
   """What ``client_map="auto"`` runs on ``mesh`` (the mesh in context, as under ``jit_round``)."""
   with jax.set_mesh(mesh):
     return core.resolve_client_map("auto")
+
+
+def define_counts(name: str, default: Sequence[str], help_text: str):
+  """A comma-separated list flag of positive integers, checked when flags are parsed.
+
+  ``--clients=8,64``; a bad entry (``--clients=8,abc``, ``0``) is absl's one-line
+  flag error, not a traceback from the benchmark's first ``int()``.
+  """
+  holder = flags.DEFINE_list(name, list(default), help_text)
+  flags.register_validator(
+    name,
+    lambda values: all(v.isdigit() and int(v) > 0 for v in values),
+    message=f"--{name} must be positive integers, comma-separated (e.g. {','.join(default)})",
+  )
+  return holder

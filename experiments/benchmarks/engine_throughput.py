@@ -49,7 +49,7 @@ from fedjax_mm import core, data, models
 from fedjax_mm.core import cost
 from fedjax_mm.models.conv import Conv
 
-_CLIENTS = flags.DEFINE_list("clients", ["8", "64", "512"], "Client counts N.")
+_CLIENTS = benchmarks.define_counts("clients", ["8", "64", "512"], "Client counts N.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per cell (median).")

@@ -63,7 +63,7 @@ from experiments import benchmarks
 from experiments.benchmarks import flower_clients as workload
 from fedjax_mm import algorithms, core
 
-_CLIENTS = flags.DEFINE_list("clients", ["8", "64"], "Client counts N.")
+_CLIENTS = benchmarks.define_counts("clients", ["8", "64"], "Client counts N.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client and round.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per contender (the first is not timed).")
@@ -82,7 +82,7 @@ _DEVICES = flags.DEFINE_integer(
   lower_bound=1,
 )
 _FLOWER_CPUS = flags.DEFINE_float("flower_cpus", 1.0, "num_cpus per simulated Flower client.")
-_TORCH_THREADS = flags.DEFINE_list(
+_TORCH_THREADS = benchmarks.define_counts(
   "torch_threads", ["1", str(os.cpu_count())], "torch.set_num_threads values for the torch loop."
 )
 _TORCH_DEVICE = flags.DEFINE_string(
