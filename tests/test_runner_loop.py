@@ -138,6 +138,27 @@ def test_the_bar_shows_the_rounds_finished_when_the_run_stops(tmp_path, monkeypa
   assert f"{2 if stop == 'nan' else 3}/5" in bar, bar
 
 
+def test_states_larger_than_the_memory_left_are_refused_before_anything_is_made(
+  tmp_path, monkeypatch
+):
+  """On a CPU the system kills a run whose states do not fit, with no word; the loop sizes
+  them first (jax.eval_shape of init, nothing allocated) and says so in one line."""
+  from fedjax_mm.runner.errors import ConfigError
+
+  # Each toy method: a round counter (4 bytes), two float32 scalars (8), a threefry key (8).
+  monkeypatch.setattr(loop, "memory_available", lambda: 39)
+  with pytest.raises(ConfigError) as info:
+    loop.run(loop_toy.experiment, loop_toy.get_config(), tmp_path / "run", progress=False)
+  assert str(info.value) == (
+    "the states of the 2 methods take 40 B (the largest: one 20 B, two 20 B), more than the "
+    "39 B of memory available here, before any activation or compiled program: the system "
+    "would kill the run. Run fewer methods (--config.methods) or smaller models."
+  )
+  assert not (tmp_path / "run").exists()
+  monkeypatch.setattr(loop, "memory_available", lambda: 40)  # Exactly the states' 40 bytes.
+  loop.run(loop_toy.experiment, loop_toy.get_config(), tmp_path / "run", progress=False)
+
+
 def test_restored_state_keeps_each_leafs_placement_so_the_round_compiles_once():
   """A fresh state's leaves are uncommitted; restored ones must be too (and committed ones
   stay on their sharding): jit keys its cache on argument shardings, so a committed copy

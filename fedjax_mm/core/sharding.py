@@ -106,6 +106,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
   if isinstance(x, jax.ShapeDtypeStruct):  # An abstract state: the restore target of a checkpoint.
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  if isinstance(x, jax.core.Tracer):  # Under jax.eval_shape (a state's size): nothing to place.
+    return x
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     data = _place(jax.random.key_data(x), sharding)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))

@@ -90,9 +90,9 @@ import numpy as np
 
 from fedjax_mm.core import processes
 from fedjax_mm.core.checkpoint import Checkpointer
-from fedjax_mm.core.ledger import Ledger
+from fedjax_mm.core.ledger import Ledger, format_bytes, tree_bytes
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import NonFiniteError, Preempted, checkpoint_note
+from fedjax_mm.runner.errors import ConfigError, NonFiniteError, Preempted, checkpoint_note
 from fedjax_mm.runner.workdir import WorkdirError, claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -235,6 +235,7 @@ def run(
       (SIGTERM to any of them), that round checkpointed.
   """
   experiment = build(config)
+  _check_memory(experiment)
   workdir = pathlib.Path(workdir)
   writes = processes.is_primary()
   # One run per workdir, taken before anything is written.
@@ -288,6 +289,57 @@ def run(
     report_lib.write_text(workdir / "results.json", json.dumps(report.results, indent=2))
     print("\n" + report.text)
     return report.results
+
+
+def memory_available() -> int | None:
+  """Bytes of host memory this process may still take: Linux's ``MemAvailable``, lowered to
+  what is left under a cgroup v2 limit (a container's); None where neither can be read."""
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+  try:
+    limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    used = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text())
+    if limit != "max":
+      available = min(available, int(limit) - used)
+  except (OSError, ValueError):
+    pass
+  return available
+
+
+def _check_memory(experiment: Experiment) -> None:
+  """Refuses, before anything is made, a run whose states alone exceed the host's memory.
+
+  On a CPU the states of every method live in host memory together, and a run that
+  takes more is killed by the system with no word (``Killed``, exit status 137) while
+  it builds them: ``experiments/creamfl.py:minilm``, whose 14 rows each hold seven
+  MiniLM text towers with their AdamW moments, needs 24.7 GiB for its states on a
+  machine with 23. Their sizes come from ``jax.eval_shape(experiment.init)``, which
+  allocates nothing. What the rounds need on top (activations, compiled programs) is
+  not counted, so a run that passes may still not fit; one that fails cannot. On
+  accelerators XLA reports a lack of device memory itself; in a job of several
+  processes each holds only its share of the clients, so the whole is no bound.
+  """
+  if jax.default_backend() != "cpu" or jax.process_count() > 1:
+    return
+  available = memory_available()
+  if available is None:
+    return
+  sizes = {m: tree_bytes(s) for m, s in jax.eval_shape(experiment.init).items()}
+  need = sum(sizes.values())
+  if need <= available:
+    return
+  largest = sorted(sizes, key=sizes.get, reverse=True)[:3]
+  raise ConfigError(
+    f"the states of the {len(sizes)} methods take {format_bytes(need)} (the largest: "
+    + ", ".join(f"{m} {format_bytes(sizes[m])}" for m in largest)
+    + f"), more than the {format_bytes(available)} of memory available here, before any activation "
+    "or compiled program: the system would kill the run. Run fewer methods "
+    "(--config.methods) or smaller models."
+  )
 
 
 def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, progress, layout):
