@@ -304,8 +304,8 @@ def main(argv):
     print(
       f"\nerror: process {jax.process_index()} of the job's {jax.process_count()} stopped on "
       "the error above and leaves the job (if it is a closed connection, another process "
-      "stopped first: its output says why); the same command resumes from the last round "
-      "checkpointed.",
+      "stopped first: its output says why); the same command resumes from the last "
+      "checkpoint.",
       file=sys.stderr,
     )
     _leave_the_job(1)

@@ -99,12 +99,13 @@ def wrong_format(workdirs: Sequence[str | pathlib.Path], fmt: str) -> list[str]:
 
 def _numeric_keys(value, prefix="") -> list[str]:
   """Dotted paths of the numbers in a results document (list items by index)."""
-  if isinstance(value, bool) or value is None:
-    return []
-  if isinstance(value, (int, float)):
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
     return [prefix]
-  items = value.items() if isinstance(value, dict) else enumerate(value)
-  if not isinstance(value, (dict, list)):
+  if isinstance(value, dict):
+    items = value.items()
+  elif isinstance(value, list):
+    items = enumerate(value)
+  else:  # A string, a bool, None.
     return []
   return [p for k, v in items for p in _numeric_keys(v, f"{prefix}.{k}" if prefix else str(k))]
 

@@ -271,7 +271,7 @@ def test_sigterm_to_one_process_stops_the_job_after_one_round_and_it_resumes(tmp
 LEAVES = (
   "error: process {} of the job's 2 stopped on the error above and leaves the job (if it is "
   "a closed connection, another process stopped first: its output says why); the same "
-  "command resumes from the last round checkpointed."
+  "command resumes from the last checkpoint."
 )
 
 

@@ -403,3 +403,9 @@ class TestGramian:
 def test_doctests(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0
+
+
+def test_pairwise_info_nce_checks_its_temperatures_before_the_vmap_hides_them():
+  anchor, others, _, _ = (np.asarray(x, np.float32) for x in _random_problem(42, 2, 4))
+  with pytest.raises(ValueError, match=r"tau must be positive, got \[0.2, 0.0\]"):
+    losses.pairwise_info_nce(anchor, others, tau=[0.2, 0.0])

@@ -146,6 +146,7 @@ def pairwise_info_nce(anchor: Array, others: Array, *, tau: float | Array) -> Ar
   """
   _check_matrix("anchor", anchor)
   others = stack_others(others)
+  check_positive("tau", tau)  # Traced inside the vmap below: checked here, once.
   tau = jnp.broadcast_to(jnp.asarray(tau, anchor.dtype), others.shape[:1])
   per_model = jax.vmap(lambda z, t: info_nce(anchor, z, temperature=t))(others, tau)
   return per_model.sum(axis=0)
