@@ -16,7 +16,9 @@ a line says so on stderr, and the exit status is 128 + the signal's number
 (a preemption notice) or Ctrl-C to any of them stops all of them after the same
 round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once). A
 process of such a job that stops alone, on an error only it met, leaves the job at
-once, and the others stop within seconds on the closed connection (exit 1).
+once, and the others stop within seconds on the closed connection (exit 1); a
+refusal that every process meets (its config, its workdir, a checkpoint, a NaN)
+ends them all together, each with its error line.
 A write that fails for want of space (or a quota, a read-only or failing disk) is
 one line too, with exit status 2: the checkpoints written so far are kept, and the
 same command resumes from them.
@@ -45,6 +47,7 @@ import traceback
 
 import jax
 from absl import app, flags, logging
+from jax._src import distributed as jax_distributed  # The job's size, known before any backend.
 from ml_collections import config_flags
 
 from fedjax_mm.core.checkpoint import CheckpointError
@@ -289,10 +292,26 @@ def _leave_the_job(code: int) -> None:
   os._exit(code)
 
 
+class _Refused(SystemExit):
+  """A refusal every process of a job meets at the same point, so they exit together.
+
+  The config and the code are the same on every process, the devices each sees are
+  the job's, and the decisions only process 0 can make (is the workdir free? is
+  a checkpoint intact? did a round give NaN?) reach the others as one answer: a
+  config, workdir, checkpoint or NaN error is raised by every process alike. Such
+  an exit goes through JAX's shutdown barrier, where the processes meet and end
+  together. Leaving at once instead (:func:`_leave_the_job`) could close the
+  coordination service under a process still starting its backend, and JAX aborts
+  a process that loses the service with a page of C++ stack trace.
+  """
+
+
 def main(argv):
   del argv
   try:
     _main()
+  except _Refused:
+    raise
   except SystemExit as e:  # A preemption (143) stops every process after one round: no leaving.
     if _in_a_job() and e.code not in (None, 0, 128 + signal.SIGTERM):
       _leave_the_job(e.code if isinstance(e.code, int) else 1)
@@ -301,8 +320,9 @@ def main(argv):
     if not _in_a_job():
       raise
     traceback.print_exc()
+    job = jax_distributed.global_state
     print(
-      f"\nerror: process {jax.process_index()} of the job's {jax.process_count()} stopped on "
+      f"\nerror: process {job.process_id} of the job's {job.num_processes} stopped on "
       "the error above and leaves the job (if it is a closed connection, another process "
       "stopped first: its output says why); the same command resumes from the last "
       "checkpoint.",
@@ -312,7 +332,12 @@ def main(argv):
 
 
 def _in_a_job() -> bool:
-  return jax.distributed.is_initialized() and jax.process_count() > 1
+  """Whether this process is one of several, asked without starting a backend.
+
+  ``jax.process_count()`` would start the backend if the error came before it had
+  started, or retry one that failed to start, which is itself a collective step.
+  """
+  return jax.distributed.is_initialized() and jax_distributed.global_state.num_processes > 1
 
 
 def _main():
@@ -334,11 +359,11 @@ def _main():
   config_path = flags.FLAGS["config"].config_filename
   if not pathlib.Path(config_path.split(":")[0]).is_file():
     print(f"error: --config={config_path}: no such file", file=sys.stderr)
-    sys.exit(2)
+    raise _Refused(2) from None
   name = pathlib.Path(config_path.split(":")[0]).stem
   if name not in EXPERIMENTS:
     print(f"error: no runner for config {name!r}; known: {', '.join(EXPERIMENTS)}", file=sys.stderr)
-    sys.exit(2)
+    raise _Refused(2) from None
   run = experiment_runner(name)
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   # SIGTERM (a scheduler's preemption, `kill`, `docker stop`) unwinds like Ctrl-C: the
@@ -356,7 +381,7 @@ def _main():
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    raise _Refused(2) from None
   except OSError as e:
     storage = _storage_error(e)
     if storage is None:

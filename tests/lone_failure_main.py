@@ -4,16 +4,21 @@ The environment's ``LONE_FAILURE=P:R`` makes process ``P`` of a job fail in roun
 ``R``, on its own: process 0 as a full disk fails the metric line it writes
 (``OSError`` ENOSPC; only process 0 writes them), any other process with a
 ``RuntimeError`` before it saves the round's checkpoint. The other processes are
-then inside the round's collectives (the save's), waiting on it. Without the
-variable the command runs as it is.
+then inside the round's collectives (the save's), waiting on it.
+
+``LATE_START=P:S`` makes process ``P`` sleep ``S`` seconds after its backend has
+started, before the runner reads the config: the others meet a config error first,
+while it is still starting. Without the variables the command runs as it is.
 """
 
 import errno
 import os
 import runpy
+import time
 
 import jax
 
+import fedjax_mm.runner
 from fedjax_mm.core import processes
 from fedjax_mm.runner import writers
 
@@ -39,7 +44,26 @@ def _patch(process: int, at_round: int) -> None:
   processes.preempted = failing
 
 
+def _late(process: int, seconds: float) -> None:
+  experiment_runner = fedjax_mm.runner.experiment_runner
+
+  def late_runner(name):
+    run = experiment_runner(name)
+
+    def late_run(*args, **kwargs):
+      if jax.process_index() == process:
+        time.sleep(seconds)
+      return run(*args, **kwargs)
+
+    return late_run
+
+  fedjax_mm.runner.experiment_runner = late_runner
+
+
 if __name__ == "__main__":
   if os.environ.get("LONE_FAILURE"):
     _patch(*map(int, os.environ["LONE_FAILURE"].split(":")))
+  if os.environ.get("LATE_START"):
+    process, seconds = os.environ["LATE_START"].split(":")
+    _late(int(process), float(seconds))
   runpy.run_module("experiments.main", run_name="__main__", alter_sys=True)

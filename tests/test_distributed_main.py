@@ -188,6 +188,26 @@ def test_devices_of_every_process_must_divide_fedrgbs_clients(tmp_path, main_cac
   assert not (tmp_path / "run").exists()
 
 
+def test_a_refusal_ends_the_processes_together_when_one_starts_late(tmp_path, main_cache):
+  # Process 1 sleeps 5 s after starting its backend; process 0 meets the config error
+  # at once. Had it left the job at once, process 1 would have lost the coordination
+  # service in its sleep and JAX would abort it (exit -6, seen in CI with a process
+  # merely slow to start). Both wait for each other at JAX's shutdown barrier instead.
+  procs = _start(
+    tmp_path / "run",
+    "--config.rounds=0",
+    cache_dir=main_cache,
+    env={"LATE_START": "1:5"},
+    module="tests.lone_failure_main",
+  )
+  for code, _, err in _finish(procs, timeout=150):
+    assert code == 2, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+      "error: rounds must be >= 1, got 0."
+    ], err[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
 def test_two_processes_resume_together(runs, tmp_path, main_cache):
   one, finished, _ = runs
   two = tmp_path / "run"
