@@ -17,8 +17,8 @@ a line says so on stderr, and the exit status is 128 + the signal's number
 round, which is checkpointed; they exit 143 (a second Ctrl-C interrupts at once). A
 process of such a job that stops alone, on an error only it met, leaves the job at
 once, and the others stop within seconds on the closed connection (exit 1); a
-refusal that every process meets (its config, its workdir, a checkpoint, a NaN)
-ends them all together, each with its error line.
+refusal that every process meets (its config, its workdir, a checkpoint, a NaN),
+or an error of process 0 after the others have finished, ends them together.
 A write that fails for want of space (or a quota, a read-only or failing disk) is
 one line too, with exit status 2: the checkpoints written so far are kept, and the
 same command resumes from them.
@@ -43,6 +43,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 import traceback
 
 import jax
@@ -276,6 +277,14 @@ def _sigint_as_notice(signum, frame):
   os.kill(os.getpid(), signal.SIGTERM)
 
 
+#: Where each process of a job posts, in JAX's coordination service, that it ends
+#: through the shutdown barrier (a normal end, a refusal every process meets, a
+#: preemption).
+_AT_THE_BARRIER = "fedjax_mm/ends_at_the_barrier/"
+#: How long process 0, stopping alone, waits for the others to post that they end there.
+_MEET_S = 5.0
+
+
 def _leave_the_job(code: int) -> None:
   """Ends this process of a multi-process job now, without JAX's shutdown barrier.
 
@@ -306,15 +315,60 @@ class _Refused(SystemExit):
   """
 
 
+def _ends_at_the_barrier() -> None:
+  """Posts that this process ends through JAX's shutdown barrier (see :func:`_stop_alone`)."""
+  job = jax_distributed.global_state
+  try:
+    job.client.key_value_set(f"{_AT_THE_BARRIER}{job.process_id}", "1", allow_overwrite=True)
+  except Exception:  # noqa: BLE001 - the service is gone: no process is left to tell.
+    pass
+
+
+def _stop_alone(code: int) -> None:
+  """Ends a process of a job that stopped on an error the others may not share.
+
+  If the others are in collectives, waiting on this process, it leaves at once
+  (:func:`_leave_the_job`). But process 0 holds the job's coordination service,
+  and JAX aborts every process still running when it goes (exit -6, a page of C++
+  stack trace): one that finished and waits at the shutdown barrier (process 0
+  failed to write the results after the last collective) or one that heard of
+  process 0's error (a full disk while it claimed the workdir) and refuses too.
+  Those post that they end at the barrier (:func:`_ends_at_the_barrier`), so
+  process 0 waits up to ``_MEET_S`` seconds for every other process's post and, if
+  all come, ends at the barrier with them. The others do not wait: their leaving
+  never stops the service.
+  """
+  job = jax_distributed.global_state
+  if job.process_id == 0:
+    others = {f"{_AT_THE_BARRIER}{p}" for p in range(1, job.num_processes)}
+    deadline = time.monotonic() + _MEET_S
+    while True:
+      try:
+        posted = {key for key, _ in job.client.key_value_dir_get(_AT_THE_BARRIER)}
+      except Exception:  # noqa: BLE001 - no answer: leave, as the others cannot wait.
+        break
+      if others <= posted:
+        sys.exit(code)  # Through the barrier, where the others wait.
+      if time.monotonic() > deadline:
+        break
+      time.sleep(0.05)
+  _leave_the_job(code)
+
+
 def main(argv):
   del argv
   try:
     _main()
   except _Refused:
+    if _in_a_job():
+      _ends_at_the_barrier()
     raise
-  except SystemExit as e:  # A preemption (143) stops every process after one round: no leaving.
-    if _in_a_job() and e.code not in (None, 0, 128 + signal.SIGTERM):
-      _leave_the_job(e.code if isinstance(e.code, int) else 1)
+  except SystemExit as e:  # A preemption (143) stops every process after one round together.
+    if _in_a_job():
+      if e.code in (None, 0, 128 + signal.SIGTERM):
+        _ends_at_the_barrier()
+      else:
+        _stop_alone(e.code if isinstance(e.code, int) else 1)
     raise
   except BaseException:
     if not _in_a_job():
@@ -328,7 +382,10 @@ def main(argv):
       "checkpoint.",
       file=sys.stderr,
     )
-    _leave_the_job(1)
+    _stop_alone(1)
+  else:
+    if _in_a_job():
+      _ends_at_the_barrier()
 
 
 def _in_a_job() -> bool:

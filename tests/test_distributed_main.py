@@ -208,6 +208,46 @@ def test_a_refusal_ends_the_processes_together_when_one_starts_late(tmp_path, ma
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("file", ["config.json", "results.json"])
+def test_process_0_failing_where_the_others_end_too_meets_them_at_the_barrier(
+  tmp_path, main_cache, file
+):
+  """Process 0's disk fills where the other process ends too, not waiting on it.
+
+  Writing ``config.json`` (claiming the workdir) the other hears that process 0
+  could not claim it and refuses; writing ``results.json`` (after the last
+  collective) the other has finished. Had process 0 left at once, the other would
+  have lost the coordination service that process 0 holds, and JAX aborts it
+  (exit -6 with a C++ stack trace; both seen by hand before this test).
+  """
+  workdir = tmp_path / "run"
+  procs = _start(
+    workdir,
+    "--config.rounds=1",
+    cache_dir=main_cache,
+    env={"FULL_DISK": file},
+    module="tests.lone_failure_main",
+  )
+  (code0, _, err0), (code1, _, err1) = _finish(procs, timeout=300)
+  full = f"error: a write failed: No space left on device ({workdir}/{file})"
+  assert code0 == 2 and full in err0 and "Traceback" not in err0, err0[-3000:]
+  if file == "config.json":
+    assert code1 == 2, err1[-3000:]
+    assert [line for line in err1.splitlines() if line.startswith("error:")] == [
+      f"error: --workdir {workdir}: process 0 could not claim it (see its error)."
+    ], err1[-3000:]
+    assert not (workdir / "config.json").exists()
+  else:
+    assert code1 == 0 and "error" not in err1, err1[-3000:]
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
+    assert not (workdir / "results.json").exists()
+    # The same command, with room again, writes what the full disk stopped.
+    for code, _, err in _launch(workdir, "--config.rounds=1", cache_dir=main_cache):
+      assert code == 0, err[-3000:]
+    assert json.loads((workdir / "results.json").read_text())
+  assert not (workdir / ".lock").exists()
+
+
 def test_two_processes_resume_together(runs, tmp_path, main_cache):
   one, finished, _ = runs
   two = tmp_path / "run"
