@@ -339,20 +339,23 @@ def _stop_alone(code: int) -> None:
   never stops the service.
   """
   job = jax_distributed.global_state
-  if job.process_id == 0:
-    others = {f"{_AT_THE_BARRIER}{p}" for p in range(1, job.num_processes)}
-    deadline = time.monotonic() + _MEET_S
-    while True:
-      try:
-        posted = {key for key, _ in job.client.key_value_dir_get(_AT_THE_BARRIER)}
-      except Exception:  # noqa: BLE001 - no answer: leave, as the others cannot wait.
-        break
-      if others <= posted:
-        sys.exit(code)  # Through the barrier, where the others wait.
-      if time.monotonic() > deadline:
-        break
-      time.sleep(0.05)
+  if job.process_id == 0 and _the_others_end_at_the_barrier(job):
+    sys.exit(code)  # Through the barrier, where the others wait.
   _leave_the_job(code)
+
+
+def _the_others_end_at_the_barrier(job) -> bool:
+  """Whether every other process posts, within ``_MEET_S`` seconds, that it ends there."""
+  others = {f"{_AT_THE_BARRIER}{p}" for p in range(1, job.num_processes)}
+  deadline = time.monotonic() + _MEET_S
+  try:
+    while not others <= {key for key, _ in job.client.key_value_dir_get(_AT_THE_BARRIER)}:
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(0.05)
+  except (Exception, KeyboardInterrupt):  # noqa: BLE001 - no answer, or Ctrl-C again: leave.
+    return False
+  return True
 
 
 def main(argv):
