@@ -52,6 +52,8 @@ from jax._src import distributed as jax_distributed  # The job's size, known bef
 from ml_collections import config_flags
 
 from fedjax_mm.core.checkpoint import CheckpointError
+from fedjax_mm.models.hf import HfError
+from fedjax_mm.models.pretrained import PretrainedError
 from fedjax_mm.runner import EXPERIMENTS, experiment_runner
 from fedjax_mm.runner.errors import ConfigError, NonFiniteError, Preempted
 from fedjax_mm.runner.workdir import WorkdirError
@@ -442,6 +444,9 @@ def _main():
   except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise _Refused(2) from None
+  except (HfError, PretrainedError) as e:  # A damaged checkpoint file: each host reads its own.
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   except OSError as e:
     storage = _storage_error(e)
     if storage is None:

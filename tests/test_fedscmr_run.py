@@ -10,6 +10,7 @@ import pytest
 import rounding
 
 from experiments import fedscmr as fedscmr_config
+from fedjax_mm import models
 from fedjax_mm.core import cost
 from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner.workdir import WorkdirError
@@ -27,6 +28,31 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and "gamma must be >= 0" in lines[0], err[-2000:]
   assert not (tmp_path / "run").exists()  # Nothing was written.
+
+
+def test_a_damaged_encoder_checkpoint_is_one_line_and_exit_2(tmp_path, main_cache):
+  # The default features: the shipped encoders, copied, one of them cut short.
+  folders = {}
+  for key, name in [("image_encoder", "world-clip/cnn_s"), ("text_encoder", "world-clip/gru")]:
+    folders[key] = tmp_path / name.split("/")[1]
+    shutil.copytree(models.pretrained.resolve(name), folders[key])
+  weights = folders["image_encoder"] / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+  code, _, err = experiment_main.run(
+    "experiments/fedscmr.py:smoke",
+    tmp_path / "run",
+    *(f"--config.features.{key}={folder}" for key, folder in folders.items()),
+    cache_dir=main_cache,
+    timeout=300,
+  )
+  assert code == 2 and "Traceback" not in err, err[-2000:]
+  [line] = [line for line in err.splitlines() if line.startswith("error:")]
+  assert line.startswith(f"error: {weights} cannot be read as safetensors ("), line
+  assert line.endswith(
+    "a copy cut short? Copy it again, or rebuild it with "
+    "`python -m experiments.main --config=experiments/pretrain.py`."
+  ), line
+  assert not (tmp_path / "run").exists()
 
 
 def test_a_full_disk_is_one_line_and_exit_2_and_the_command_resumes(tmp_path, main_cache):

@@ -14,6 +14,7 @@ runs), and every one of its parameters must come from the checkpoint.
 """
 
 import json
+import re
 import types
 
 import jax
@@ -280,6 +281,25 @@ def test_errors_name_the_culprits(tmp_path, tiny_bert):
     hf.load(tmp_path / "nowhere")
   with pytest.raises(hf.HfError, match=r"unknown load overrides \['lora'\]"):
     hf.load(folder, lora=4)
+
+
+def test_damaged_files_are_named_not_a_parser_traceback(tmp_path, tiny_bert):
+  # A download cut short: safetensors' and json's own errors name no file.
+  folder = _rewrite(tmp_path / "a", tiny_bert, lambda t: None)
+  weights = folder / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+  with pytest.raises(
+    hf.HfError,
+    match=rf"^{re.escape(str(weights))} cannot be read as safetensors \(.+\): a download or "
+    r"copy cut short\? Fetch the checkpoint again\.$",
+  ):
+    hf.load(folder, ignore_heads=True)
+  for text, what in [("{not json", r"is not valid JSON \(Expecting"), ("[1]", "holds a JSON list")]:
+    folder = _rewrite(tmp_path / what[:5], tiny_bert, lambda t: None)
+    (folder / "config.json").write_text(text)
+    for read in (hf.load, hf.modality, hf.read_config):
+      with pytest.raises(hf.HfError, match=rf"^{re.escape(str(folder / 'config.json'))} {what}"):
+        read(folder)
 
 
 def test_lora_adapts_attention_and_mlp_only(tiny_bert):

@@ -80,7 +80,17 @@ def test_mismatches_are_named(tmp_path):
     pretrained.PretrainedError, match="no pretrained checkpoint 'world-clip/nope'"
   ):
     pretrained.resolve("world-clip/nope")
-  (folder / "model.safetensors").unlink()
+  weights = folder / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:100])  # A copy cut short.
+  for read in (pretrained.read_tensors, pretrained.read_feature_stats):
+    with pytest.raises(
+      pretrained.PretrainedError, match=r"model\.safetensors cannot be read as safetensors"
+    ):
+      read(folder)
+  (folder / "config.json").write_bytes(b"\xff\xfe")
+  with pytest.raises(pretrained.PretrainedError, match=r"config\.json is not valid JSON \('utf-8'"):
+    pretrained.read_config(folder)
+  weights.unlink()
   with pytest.raises(pretrained.PretrainedError, match="has no model.safetensors"):
     pretrained.resolve(folder)
 

@@ -97,6 +97,8 @@ __all__ = [
   "mean_pool",
   "modality",
   "read_config",
+  "read_json",
+  "read_safetensors",
   "resolve",
   "tokenizer",
   "torch_names",
@@ -170,9 +172,49 @@ def resolve(path: str | pathlib.Path) -> pathlib.Path:
   return folder
 
 
+#: What to do about a checkpoint file that cannot be read.
+_FETCH_AGAIN = "a download or copy cut short? Fetch the checkpoint again"
+
+
+def read_json(
+  file: pathlib.Path, error: type[ValueError] = HfError, fix: str = _FETCH_AGAIN
+) -> dict[str, Any]:
+  """A checkpoint's JSON object (``config.json``, ...), or ``error`` naming the file.
+
+  Args:
+    file: the file.
+    error: the exception to raise when it does not hold a JSON object.
+    fix: what the message tells the user to do then.
+  """
+  try:
+    body = json.loads(file.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise error(f"{file} is not valid JSON ({e}): {fix}.") from None
+  if not isinstance(body, dict):
+    raise error(f"{file} holds a JSON {type(body).__name__}, not an object: {fix}.")
+  return body
+
+
+def read_safetensors(
+  file: pathlib.Path, error: type[ValueError] = HfError, fix: str = _FETCH_AGAIN
+) -> dict[str, np.ndarray]:
+  """Every tensor of a ``.safetensors`` file, or ``error`` naming the file if it is damaged."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+
+  try:
+    return load_file(str(file))
+  except SafetensorError as e:
+    raise error(f"{file} cannot be read as safetensors ({e}): {fix}.") from None
+
+
 def read_config(path: str | pathlib.Path) -> dict[str, Any]:
-  """The folder's ``config.json``."""
-  return json.loads((resolve(path) / CONFIG_FILE).read_text())
+  """The folder's ``config.json``.
+
+  Raises:
+    HfError: as :func:`resolve`, or the file is not a JSON object.
+  """
+  return read_json(resolve(path) / CONFIG_FILE)
 
 
 def _model_type(config: Mapping[str, Any], folder: Any) -> str:
@@ -382,11 +424,10 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
 
   Raises:
     HfError: no such folder, an unsupported ``model_type`` / ``architectures``,
-      an unknown override, missing / unexpected / head tensors or a shape that
-      differs from what ``config.json`` implies.
+      an unknown override, a ``config.json`` or ``model.safetensors`` that does
+      not parse (a download cut short), missing / unexpected / head tensors or
+      a shape that differs from what ``config.json`` implies.
   """
-  from safetensors.numpy import load_file
-
   unknown = sorted(set(overrides) - set(_OVERRIDES))
   if unknown:
     raise HfError(f"unknown load overrides {unknown}; valid: {', '.join(_OVERRIDES)}.")
@@ -396,7 +437,7 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
   folder = resolve(path)
   config = read_config(folder)
   model_type = _model_type(config, folder)
-  tensors = load_file(str(folder / WEIGHTS_FILE))
+  tensors = read_safetensors(folder / WEIGHTS_FILE)
   # Built abstractly: every base parameter comes from the checkpoint, so drawing
   # random initial values (and compiling their initialisers) would be wasted.
   model = nnx.eval_shape(
@@ -558,7 +599,7 @@ def _processor(folder: pathlib.Path) -> dict[str, Any]:
   file = folder / "preprocessor_config.json"
   if not file.is_file():
     return {}
-  body = json.loads(file.read_text())
+  body = read_json(file)
   out = {"resample": _RESAMPLE.get(body.get("resample"), "linear")}
   if body.get("do_normalize", True) and "image_mean" in body and "image_std" in body:
     out.update(image_mean=body["image_mean"], image_std=body["image_std"])

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fedjax_mm.models import hf
+
 __all__ = [
   "STATS_KEYS",
   "WEIGHTS_DIR",
@@ -100,16 +102,29 @@ def resolve(name_or_path: str | pathlib.Path) -> pathlib.Path:
   return path
 
 
+#: What to do about a checkpoint file that cannot be read.
+_REBUILD = (
+  "a copy cut short? Copy it again, or rebuild it with "
+  "`python -m experiments.main --config=experiments/pretrain.py`"
+)
+
+
 def read_config(name_or_path: str | pathlib.Path) -> dict[str, Any]:
-  """The checkpoint's ``config.json``."""
-  return json.loads((resolve(name_or_path) / CONFIG_FILE).read_text())
+  """The checkpoint's ``config.json``.
+
+  Raises:
+    PretrainedError: as :func:`resolve`, or the file is not a JSON object.
+  """
+  return hf.read_json(resolve(name_or_path) / CONFIG_FILE, PretrainedError, _REBUILD)
 
 
 def read_tensors(name_or_path: str | pathlib.Path) -> dict[str, np.ndarray]:
-  """Every tensor of the checkpoint, by dotted name, as float32 numpy arrays."""
-  from safetensors.numpy import load_file
+  """Every tensor of the checkpoint, by dotted name, as float32 numpy arrays.
 
-  tensors = load_file(resolve(name_or_path) / WEIGHTS_FILE)
+  Raises:
+    PretrainedError: as :func:`resolve`, or ``model.safetensors`` is damaged.
+  """
+  tensors = hf.read_safetensors(resolve(name_or_path) / WEIGHTS_FILE, PretrainedError, _REBUILD)
   return {k: np.asarray(v, np.float32) for k, v in tensors.items()}
 
 
@@ -277,11 +292,12 @@ def add_feature_stats(
   The stored dtype is the checkpoint's (``config.json``'s ``dtype``); existing
   statistics are replaced.
   """
-  from safetensors.numpy import load_file, save_file
+  from safetensors.numpy import save_file
 
   folder = resolve(name_or_path)
   dtype = read_config(folder).get("dtype", "float32")
-  tensors = load_file(str(folder / WEIGHTS_FILE)) | _stats_tensors(encoder, stats, dtype)
+  tensors = hf.read_safetensors(folder / WEIGHTS_FILE, PretrainedError, _REBUILD)
+  tensors |= _stats_tensors(encoder, stats, dtype)
   save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "np"})
   return folder
 
