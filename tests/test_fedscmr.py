@@ -4,6 +4,7 @@ the per-client evaluation against scikit-learn / brute force, the data split, th
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.data.cross_modal import PairedFeatures, class_subset_split, shared_test_split
 from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import fedscmr as runner
+from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.server import fedscmr as weights
 
 # ----------------------------------------------------------------------------
@@ -500,12 +502,55 @@ def test_class_subset_split_is_disjoint_and_within_classes():
 def test_paired_features_interface():
   with pytest.raises(ValueError, match="same pairs"):
     PairedFeatures(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros(3))
+  with pytest.raises(
+    ValueError, match=r"labels must be class indices \(integers\), got dtype float"
+  ):
+    PairedFeatures(np.zeros((3, 2)), np.zeros((3, 2)), np.array([0.0, 1.5, 2.0]))
+  with pytest.raises(ValueError, match="labels must be class indices >= 0, got -1"):
+    PairedFeatures(np.zeros((3, 2)), np.zeros((3, 2)), np.array([0, -1, 2]))
+  with pytest.raises(ValueError, match="text features must be finite numbers"):
+    PairedFeatures(np.zeros((3, 2)), np.array([[0.0, np.inf]] * 3), np.zeros(3, int))
+  # Labels saved as floats that hold integers are class indices.
+  assert (
+    PairedFeatures(np.zeros((3, 2)), np.zeros((3, 2)), np.array([0.0, 1.0, 2.0])).labels.dtype
+    == np.int32
+  )
   f = runner.world_features(0, 40, image_dim=8, text_encoder="bow")
   assert f.image.shape == (40, 8) and f.text.shape == (40, 64) and f.labels.shape == (40,)
   again = runner.world_features(0, 40, image_dim=8, text_encoder="bow")
   np.testing.assert_array_equal(f.image, again.image)
   np.testing.assert_array_equal(f.text, again.text)
   assert set(f.take(np.arange(5)).as_dict()) == {"image", "text", "label"}
+
+
+def test_a_feature_file_that_does_not_fit_is_a_config_error_naming_it(tmp_path):
+  r = np.random.default_rng(0)
+  image, text, labels = r.normal(size=(6, 4)), r.normal(size=(6, 3)), np.arange(6) % 3
+  cases = {
+    "ok.npz": (dict(image=image, text=text, labels=labels), None),
+    "two.npz": (
+      dict(image=image, text=text),
+      r"must hold arrays image \[n, d_img\], text \[n, d_txt\] and labels \[n\]; it holds "
+      r"\['image', 'text'\]\.$",
+    ),
+    "rows.npz": (dict(image=image, text=text[:5], labels=labels), r": image, text and labels"),
+    "float.npz": (dict(image=image, text=text, labels=labels + 0.5), r": labels must be class"),
+  }
+  for name, (arrays, _) in cases.items():
+    np.savez(tmp_path / name, **arrays)
+  np.save(tmp_path / "one.npy", image)
+  (tmp_path / "text.npz").write_text("not an archive")
+  cases["one.npy"] = (None, r"it holds one array \(an \.npy\)\.$")
+  cases["text.npz"] = (None, r"is not a readable \.npz \(")
+  cases["nowhere.npz"] = (None, r"is not a readable \.npz \(\[Errno 2\] No such file")
+  for name, (_, message) in cases.items():
+    path = str(tmp_path / name)
+    if message is None:
+      pool, num_classes = runner._feature_file(path)
+      assert num_classes == 3 and len(pool) == 6
+      continue
+    with pytest.raises(ConfigError, match=rf"^features\.path {re.escape(repr(path))}.*{message}"):
+      runner._feature_file(path)
 
 
 def test_shared_test_split_holds_every_class_and_no_client_pair():

@@ -56,6 +56,14 @@ class PairedFeatures:
         f"image, text and labels must hold the same pairs, got {image.shape[0]}, "
         f"{text.shape[0]}, {labels.shape[0]} rows."
       )
+    for name, x in (("image", image), ("text", text)):
+      if not (np.issubdtype(x.dtype, np.number) and np.isfinite(x).all()):
+        raise ValueError(f"{name} features must be finite numbers, got dtype {x.dtype} or NaN/Inf.")
+    # Class indices: integers, or floats holding integers (as a float tensor saved them).
+    if not (np.issubdtype(labels.dtype, np.number) and (labels == np.round(labels)).all()):
+      raise ValueError(f"labels must be class indices (integers), got dtype {labels.dtype}.")
+    if labels.size and labels.min() < 0:
+      raise ValueError(f"labels must be class indices >= 0, got {labels.min()}.")
     object.__setattr__(self, "image", image.astype(np.float32))
     object.__setattr__(self, "text", text.astype(np.float32))
     object.__setattr__(self, "labels", labels.astype(np.int32))

@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -300,13 +301,41 @@ def _bag_of_words(rng: np.random.Generator, captions: np.ndarray, dim: int = 64)
   return np.maximum(counts @ projection, 0)
 
 
+def _feature_file(path: str) -> tuple[PairedFeatures, int]:
+  """The pairs of a ``features.path`` ``.npz`` and their number of classes.
+
+  Raises:
+    ConfigError: the file is no ``.npz`` NumPy can read without pickle, lacks one
+      of ``image``, ``text``, ``labels``, or holds arrays :class:`PairedFeatures`
+      refuses (shapes, row counts, non-integer labels, NaN features).
+  """
+  keys = ("image", "text", "labels")
+  held, arrays = None, {}
+  try:
+    z = np.load(path, allow_pickle=False)
+    if isinstance(z, np.lib.npyio.NpzFile):  # Not an .npy's single array.
+      with z:
+        held = sorted(z.files)
+        arrays = {k: z[k] for k in keys if k in held}
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    raise ConfigError(f"features.path {path!r} is not a readable .npz ({e}).") from None
+  if held is None or len(arrays) < len(keys):
+    raise ConfigError(
+      f"features.path {path!r} must hold arrays image [n, d_img], text [n, d_txt] and "
+      f"labels [n]; it holds {held if held is not None else 'one array (an .npy)'}."
+    )
+  try:
+    pool = PairedFeatures(**arrays)
+  except ValueError as e:
+    raise ConfigError(f"features.path {path!r}: {e}") from None
+  return pool, int(pool.labels.max()) + 1
+
+
 def _features(config) -> tuple[PairedFeatures, int]:
   """The pool of pairs and the number of classes."""
   f = config.features
   if f.path:
-    with np.load(f.path) as z:
-      pool = PairedFeatures(image=z["image"], text=z["text"], labels=z["labels"])
-    return pool, int(pool.labels.max()) + 1
+    return _feature_file(f.path)
   num_classes = data.NUM_SHAPES
   sizes = [c["train_size"] + config.val_size + config.test_size for c in config.clients]
   demand = class_demand(
