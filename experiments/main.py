@@ -26,7 +26,8 @@ same command resumes from them.
 Several hosts: start the same command once per host with ``--distributed``,
 which calls ``jax.distributed.initialize()`` before anything touches a device:
 with no arguments (Cloud TPU, SLURM and other clusters JAX detects), or with
-``--coordinator=HOST:PORT --num_processes=N --process_id=I`` passed through.
+``--coordinator=HOST:PORT --num_processes=N --process_id=I`` passed through; the
+other processes wait up to ``--join_timeout`` seconds for process 0's coordinator.
 Process 0 writes the workdir; see ``fedjax_mm.runner.loop``.
 
 Several devices: a config's ``devices=N`` spreads each group's clients over the
@@ -42,6 +43,7 @@ import importlib.util
 import os
 import pathlib
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -93,6 +95,13 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 )
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed and --coordinator: this process's index, 0 .. N-1."
+)
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+  "join_timeout",
+  300,
+  "With --distributed: seconds to wait for the job's processes to join "
+  "(jax.distributed.initialize's initialization_timeout).",
+  lower_bound=1,
 )
 
 
@@ -287,6 +296,43 @@ _AT_THE_BARRIER = "fedjax_mm/ends_at_the_barrier/"
 _MEET_S = 5.0
 
 
+def _wait_for_the_coordinator(address: str, timeout: int) -> None:
+  """Returns once something answers at process 0's ``address``; exits 2 after ``timeout`` s.
+
+  JAX would wait as long for the coordination service, then abort the process
+  with a page of C++ stack trace (a mistyped address, a closed port, process 0
+  never started). Connecting first turns that into one line, and says what it
+  waits for meanwhile.
+  """
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout
+  waiting = False
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+        return
+    except socket.gaierror as e:
+      print(f"error: --coordinator={address}: no such host ({e.strerror}).", file=sys.stderr)
+      sys.exit(2)
+    except OSError:
+      if time.monotonic() >= deadline:
+        print(
+          f"error: --coordinator={address}: nothing answered there in {timeout} s "
+          "(--join_timeout); start process 0 of the job on that host, or check the address and "
+          "that the port is open to this host.",
+          file=sys.stderr,
+        )
+        sys.exit(2)
+      if not waiting:
+        print(
+          f"waiting up to {timeout} s for process 0's coordinator at {address}",
+          file=sys.stderr,
+          flush=True,
+        )
+        waiting = True
+      time.sleep(0.5)
+
+
 def _leave_the_job(code: int) -> None:
   """Ends this process of a multi-process job now, without JAX's shutdown barrier.
 
@@ -415,7 +461,19 @@ def _main():
   if _CPU_DEVICES.value:  # Only before the first computation.
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   if distributed is not None:  # Before anything touches a device, the cache config included.
-    jax.distributed.initialize(**distributed)
+    if distributed.get("process_id"):  # Not process 0, which starts the coordinator itself.
+      _wait_for_the_coordinator(distributed["coordinator_address"], _JOIN_TIMEOUT.value)
+    try:
+      jax.distributed.initialize(**distributed, initialization_timeout=_JOIN_TIMEOUT.value)
+    except (ValueError, RuntimeError) as e:  # No cluster found, or the coordinator not met.
+      hint = (
+        ": no cluster was found (Cloud TPU, SLURM, ...); elsewhere pass --coordinator=HOST:PORT "
+        "--num_processes=N --process_id=I"
+        if not distributed
+        else ""
+      )
+      print(f"error: --distributed: {str(e).strip().rstrip('.')}{hint}.", file=sys.stderr)
+      sys.exit(2)
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   config_path = flags.FLAGS["config"].config_filename

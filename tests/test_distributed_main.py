@@ -442,3 +442,40 @@ def test_bad_distributed_flags_exit_2_in_one_line(tmp_path, main_cache):
     "(or none of the three, where JAX finds the cluster itself)"
   ]
   assert not (tmp_path / "run").exists()
+
+
+def test_a_coordinator_that_never_answers_is_one_line_after_the_join_timeout(tmp_path, main_cache):
+  # Process 1 alone: JAX would wait its 300 s, then abort with a C++ stack trace.
+  port = _free_port()
+  flags = ("--distributed", "--num_processes=2", "--process_id=1", "--join_timeout=2")
+  code, out, err = experiment_main.run(
+    CONFIG, tmp_path / "run", *flags, f"--coordinator=localhost:{port}", cache_dir=main_cache
+  )
+  assert code == 2 and out == "", err[-3000:]
+  assert err.splitlines() == [
+    f"waiting up to 2 s for process 0's coordinator at localhost:{port}",
+    f"error: --coordinator=localhost:{port}: nothing answered there in 2 s (--join_timeout); "
+    "start process 0 of the job on that host, or check the address and that the port is open "
+    "to this host.",
+  ]
+  code, out, err = experiment_main.run(
+    CONFIG, tmp_path / "run", *flags, "--coordinator=nohost.invalid:1234", cache_dir=main_cache
+  )
+  assert code == 2 and err.startswith("error: --coordinator=nohost.invalid:1234: no such host ("), (
+    err
+  )
+  assert len(err.splitlines()) == 1, err
+  assert not (tmp_path / "run").exists()
+
+
+def test_distributed_outside_a_cluster_exits_2_in_one_line(tmp_path, main_cache):
+  # Alone, --distributed asks JAX to find the cluster; outside one JAX raises ValueError.
+  code, out, err = experiment_main.run(
+    CONFIG, tmp_path / "run", "--distributed", cache_dir=main_cache
+  )
+  assert code == 2 and out == "", err[-3000:]
+  assert err.splitlines() == [
+    "error: --distributed: coordinator_address should be defined: no cluster was found (Cloud "
+    "TPU, SLURM, ...); elsewhere pass --coordinator=HOST:PORT --num_processes=N --process_id=I."
+  ]
+  assert not (tmp_path / "run").exists()
