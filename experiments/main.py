@@ -45,6 +45,7 @@ import pathlib
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -333,6 +334,24 @@ def _wait_for_the_coordinator(address: str, timeout: int) -> None:
       time.sleep(0.5)
 
 
+def _not_joined(distributed: dict[str, object], timeout: int) -> None:
+  """Ends a process whose job has not all joined, a second before JAX would abort it.
+
+  ``jax.distributed.initialize`` waits ``--join_timeout`` seconds for every process
+  to register with the coordinator, then aborts the process with a page of C++
+  stack trace; this timer, started just before it, says why in one line instead.
+  """
+  size = distributed.get("num_processes")  # None where JAX finds the cluster itself.
+  count = f"{size} " if size else ""
+  print(
+    f"error: --distributed: the job's {count}processes did not all join within {timeout} s "
+    "(--join_timeout); start the missing ones with the same command and their own "
+    "--process_id, or give them longer.",
+    file=sys.stderr,
+  )
+  _leave_the_job(2)
+
+
 def _leave_the_job(code: int) -> None:
   """Ends this process of a multi-process job now, without JAX's shutdown barrier.
 
@@ -463,6 +482,11 @@ def _main():
   if distributed is not None:  # Before anything touches a device, the cache config included.
     if distributed.get("process_id"):  # Not process 0, which starts the coordinator itself.
       _wait_for_the_coordinator(distributed["coordinator_address"], _JOIN_TIMEOUT.value)
+    watchdog = threading.Timer(
+      max(_JOIN_TIMEOUT.value - 1, 0.5), _not_joined, (distributed, _JOIN_TIMEOUT.value)
+    )
+    watchdog.daemon = True
+    watchdog.start()
     try:
       jax.distributed.initialize(**distributed, initialization_timeout=_JOIN_TIMEOUT.value)
     except (ValueError, RuntimeError) as e:  # No cluster found, or the coordinator not met.
@@ -474,6 +498,8 @@ def _main():
       )
       print(f"error: --distributed: {str(e).strip().rstrip('.')}{hint}.", file=sys.stderr)
       sys.exit(2)
+    finally:
+      watchdog.cancel()
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   config_path = flags.FLAGS["config"].config_filename

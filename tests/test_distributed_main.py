@@ -468,6 +468,28 @@ def test_a_coordinator_that_never_answers_is_one_line_after_the_join_timeout(tmp
   assert not (tmp_path / "run").exists()
 
 
+def test_a_job_that_never_fills_is_one_line_before_jax_aborts(tmp_path, main_cache):
+  # Process 0 alone: JAX waits the join timeout for process 1, then aborts with a C++
+  # stack trace (exit -6); a timer one second earlier says why and exits 2.
+  code, out, err = experiment_main.run(
+    CONFIG,
+    tmp_path / "run",
+    "--distributed",
+    f"--coordinator=localhost:{_free_port()}",
+    "--num_processes=2",
+    "--process_id=0",
+    "--join_timeout=3",
+    cache_dir=main_cache,
+  )
+  assert code == 2 and out == "", err[-3000:]
+  assert err.splitlines() == [
+    "error: --distributed: the job's 2 processes did not all join within 3 s (--join_timeout); "
+    "start the missing ones with the same command and their own --process_id, or give them "
+    "longer."
+  ]
+  assert not (tmp_path / "run").exists()
+
+
 def test_distributed_outside_a_cluster_exits_2_in_one_line(tmp_path, main_cache):
   # Alone, --distributed asks JAX to find the cluster; outside one JAX raises ValueError.
   code, out, err = experiment_main.run(
