@@ -535,6 +535,7 @@ def test_a_feature_file_that_does_not_fit_is_a_config_error_naming_it(tmp_path):
     ),
     "rows.npz": (dict(image=image, text=text[:5], labels=labels), r": image, text and labels"),
     "float.npz": (dict(image=image, text=text, labels=labels + 0.5), r": labels must be class"),
+    "empty.npz": (dict(image=image[:0], text=text[:0], labels=labels[:0]), r" holds no pairs\.$"),
   }
   for name, (arrays, _) in cases.items():
     np.savez(tmp_path / name, **arrays)

@@ -328,6 +328,8 @@ def _feature_file(path: str) -> tuple[PairedFeatures, int]:
     pool = PairedFeatures(**arrays)
   except ValueError as e:
     raise ConfigError(f"features.path {path!r}: {e}") from None
+  if not len(pool):
+    raise ConfigError(f"features.path {path!r} holds no pairs.")
   return pool, int(pool.labels.max()) + 1
 
 
