@@ -505,11 +505,11 @@ def _main():
   config_path = flags.FLAGS["config"].config_filename
   if not pathlib.Path(config_path.split(":")[0]).is_file():
     print(f"error: --config={config_path}: no such file", file=sys.stderr)
-    raise _Refused(2) from None
+    raise _Refused(2)
   name = pathlib.Path(config_path.split(":")[0]).stem
   if name not in EXPERIMENTS:
     print(f"error: no runner for config {name!r}; known: {', '.join(EXPERIMENTS)}", file=sys.stderr)
-    raise _Refused(2) from None
+    raise _Refused(2)
   run = experiment_runner(name)
   workdir = _WORKDIR.value or str(pathlib.Path("runs") / name)
   # SIGTERM (a scheduler's preemption, `kill`, `docker stop`) unwinds like Ctrl-C: the
