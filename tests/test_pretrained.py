@@ -384,6 +384,13 @@ def test_shipped_pair_reproduces_its_recorded_quality():
     (lambda c: setattr(c.web, "size", 10), "smaller than one batch"),
     (lambda c: c.epochs.update({"vit_x": 1}), "'vit_x', which is no image encoder"),
     (lambda c: c.epochs.update({"gru": 1}), "'gru', which is no image encoder"),
+    (lambda c: c.epochs.update({"vit_t": 0}), r"^epochs\.vit_t must be >= 1, got 0\.$"),
+    (lambda c: setattr(c, "seed", -1), r"^seed must be >= 0, got -1\.$"),
+    # Found before hours of training, not at the first save.
+    (lambda c: setattr(c, "dtype", "int8"), r"dtype must be one of \['float16', 'float32'\]"),
+    (lambda c: setattr(c, "warmup_fraction", 1.0), r"warmup_fraction must be in \[0, 1\)"),
+    (lambda c: setattr(c, "eval_pairs", 5), r"^eval_pairs must be >= 10, got 5\.$"),
+    (lambda c: setattr(c, "stats_size", 10**6), r"stats_size must be in \[2, web\.size\]"),
   ],
 )
 def test_bad_pretraining_configs_are_refused_in_one_line(change, message):

@@ -29,11 +29,22 @@ from fedjax_mm.runner.errors import ConfigError
     ("public_size", 40, "global_test + public_size must be <= 40"),
     ("devices", 3, "devices (3) must divide the 2 clients a round trains"),
     ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
+    ("kmeans_k", 81, "kmeans_k (81) must be at most the 80 captions it clusters"),
+    ("rcsr.router_width", 15, "rcsr.router_width (15) must be a multiple of rcsr.router_heads (4)"),
+    ("image_size", 18, "image_size must be a multiple of vit_t's patch (4), got 18."),
+    ("client_map", "foo", "client_map must be 'auto', 'vmap', 'scan' or 'map:<k>'"),
+    ("methods", ("rcsr", "rcsr"), "methods: each at most once"),
+    # World-CLIP's towers were pretrained on 32x32 images and 16-token captions.
+    ("pretrained", True, "world-clip/vit_t was pretrained with image_size=32; set image_size=32"),
   ],
 )
 def test_validate_names_the_key(key, value, message):
   config = rcsr_config.get_config("smoke")
-  config[key] = value
+  *parents, leaf = key.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
   with pytest.raises(ConfigError, match=re.escape(message)):
     runner.validate(config)
 

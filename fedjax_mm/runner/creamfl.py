@@ -228,9 +228,11 @@ def validate(config) -> None:
   validation.check_client_map(config)
   validation.check_devices(config)
   faults = validation.check_faults(config)
+  if not config.methods:
+    raise ConfigError(f"methods is empty; name at least one of {', '.join(METHODS)}.")
   unknown = [m for m in config.methods if m not in METHODS]
-  if unknown or not config.methods:
-    raise ConfigError(f"methods: unknown {unknown or 'empty list'}; known: {', '.join(METHODS)}.")
+  if unknown:
+    raise ConfigError(f"methods: unknown {unknown}; known: {', '.join(METHODS)}.")
   parameter_rows = [m for m in config.methods if m in PARAMETER_ROWS]
   if faults.enabled and parameter_rows:
     raise ConfigError(f"faults: {', '.join(parameter_rows)} simulate no client faults; drop them.")

@@ -191,9 +191,13 @@ def validate(config) -> None:
     raise ConfigError("model.hidden and model.dim must be >= 1.")
   if not config.ns or any(n < 1 for n in config.ns):
     raise ConfigError(f"ns must be a non-empty list of positive N, got {tuple(config.ns)}.")
+  if not config.methods:
+    raise ConfigError(f"methods is empty; name at least one of {', '.join(METHODS)}.")
   unknown = [m for m in config.methods if m not in METHODS]
-  if unknown or not config.methods:
+  if unknown:
     raise ConfigError(f"methods: unknown {unknown}; known: {', '.join(METHODS)}.")
+  if len(set(config.methods)) != len(config.methods):
+    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
   for method in config.methods:
     try:
       method_config(config, method, 2).validate()

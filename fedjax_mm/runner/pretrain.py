@@ -67,6 +67,7 @@ from fedjax_mm.core import processes
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.models import pretrained
 from fedjax_mm.runner import report as report_lib
+from fedjax_mm.runner import validation
 from fedjax_mm.runner.errors import ConfigError, Preempted
 from fedjax_mm.runner.workdir import claim_workdir
 from fedjax_mm.runner.writers import MetricWriter
@@ -83,8 +84,23 @@ PROBES = {
 }
 
 
+#: The dtypes :func:`fedjax_mm.models.pretrained.save` stores.
+DTYPES = ("float16", "float32")
+
+
 def validate(config) -> list[tuple[str, str]]:
-  """Checks a config; returns its pairs. Raises :class:`ConfigError`."""
+  """Checks a config; returns its pairs. Raises :class:`ConfigError`.
+
+  Ranges of every number are :data:`fedjax_mm.runner.validation.PRETRAIN` (with
+  ``epochs.<image encoder>`` counts); the checks here are names and relations.
+  """
+  # Entries for encoders outside this run's pairs are allowed (a run may pretrain
+  # a subset of the default pairs); names that are no image encoder are typos.
+  for name in dict(config.epochs):
+    if models.ENCODERS.get(name, ("",))[0] != "image":
+      raise ConfigError(f"epochs names {name!r}, which is no image encoder of models.ENCODERS.")
+  epochs = {f"epochs.{name}": validation.COUNT for name in dict(config.epochs)}
+  validation.check_numbers(config, {**validation.PRETRAIN, **epochs})
   pairs = [tuple(p) for p in config.pairs]
   if not pairs:
     raise ConfigError("pairs is empty: name at least one (image encoder, text encoder) pair.")
@@ -99,34 +115,16 @@ def validate(config) -> list[tuple[str, str]]:
     if image_name in seen:
       raise ConfigError(f"image encoder {image_name!r} appears in two pairs.")
     seen.add(image_name)
-  for key in ("batch_size", "embed_dim"):
-    if not isinstance(config[key], int) or config[key] < 1:
-      raise ConfigError(f"{key} must be a positive int, got {config[key]!r}.")
-  for key in ("learning_rate", "weight_decay", "warmup_fraction"):
-    value = config[key]
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-      raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}.")
-  if config.learning_rate <= 0 or config.warmup_fraction >= 1:
-    raise ConfigError("learning_rate must be > 0 and warmup_fraction < 1.")
-  # Entries for encoders outside this run's pairs are allowed (a run may pretrain
-  # a subset of the default pairs); names that are no image encoder are typos.
-  for name in dict(config.epochs):
-    if models.ENCODERS.get(name, ("",))[0] != "image":
-      raise ConfigError(f"epochs names {name!r}, which is no image encoder of models.ENCODERS.")
-  if any(
-    not isinstance(e, int) or e < 1 for e in [config.default_epochs, *dict(config.epochs).values()]
-  ):
-    raise ConfigError("epochs must be positive ints.")
+  if config.dtype not in DTYPES:
+    raise ConfigError(
+      f"dtype must be one of {list(DTYPES)} (the stored tensors), got {config.dtype!r}."
+    )
   if config.web.size < config.batch_size:
     raise ConfigError(
       f"web.size ({config.web.size}) is smaller than one batch ({config.batch_size})."
     )
-  if not 0.0 <= config.web.shift <= 1.0:
-    raise ConfigError(f"web.shift must be in [0, 1], got {config.web.shift}.")
-  if not 2 <= config.stats_size <= config.web.size:
+  if config.stats_size > config.web.size:
     raise ConfigError(f"stats_size must be in [2, web.size], got {config.stats_size}.")
-  if min(config.probe.train, config.probe.test, config.eval_pairs) < 10:
-    raise ConfigError("probe.train, probe.test and eval_pairs must each be >= 10.")
   return pairs
 
 

@@ -47,16 +47,21 @@ from fedjax_mm.runner.report import format_table
 KS = (1, 5, 10)
 
 
+#: The encoders every RCSR row shares (frozen; adapters and heads train) and, with
+#: ``pretrained``, their World-CLIP checkpoints.
+IMAGE_ENCODER, TEXT_ENCODER = "vit_t", "transformer_t"
+
+
 def validate(config) -> None:
-  """One-line :class:`ConfigError` naming the key; before any work."""
-  mr = float(config.missing_rate)
-  if not (0.0 <= mr < 1.0) or not np.isfinite(mr):
-    raise ConfigError(f"missing_rate must be in [0, 1), got {mr}.")
-  if int(config.num_clients) < 2:
-    raise ConfigError(f"num_clients must be >= 2, got {config.num_clients}.")
-  if not (0.0 < float(config.participation) <= 1.0):
-    raise ConfigError(f"participation must be in (0, 1], got {config.participation}.")
-  per_round = int(float(config.participation) * int(config.num_clients))
+  """One-line :class:`ConfigError` naming the key; before any work.
+
+  Ranges of every number are :data:`fedjax_mm.runner.validation.RCSR`; the checks
+  here are names and relations between fields.
+  """
+  validation.check_numbers(config, validation.RCSR)
+  validation.check_client_map(config)
+  n = int(config.num_clients)
+  per_round = int(float(config.participation) * n)
   if per_round < 1:
     raise ConfigError(
       f"participation * num_clients must be >= 1 (one client per round), got "
@@ -68,33 +73,43 @@ def validate(config) -> None:
       f"{named} must divide the {per_round} clients a round trains "
       f"(floor(participation * num_clients)): each device trains an equal share."
     )
+  if not config.methods:
+    raise ConfigError(f"methods is empty; name at least one of {list(alg.METHODS)}.")
   unknown = [m for m in config.methods if m not in alg.METHODS]
-  if unknown or not config.methods:
+  if unknown:
     raise ConfigError(f"methods: unknown {unknown}; known: {list(alg.METHODS)}.")
-  if int(config.rounds) < 1:
-    raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
-  if not float(config.alpha) > 0:
-    raise ConfigError(f"alpha must be > 0, got {config.alpha}.")
-  ema = float(config.rcsr.creamfl_ema)
-  if not (0.0 <= ema < 1.0):
-    raise ConfigError(f"rcsr.creamfl_ema must be in [0, 1), got {ema}.")
-  for key in (
-    "train_per_client",
-    "test_per_client",
-    "batch_size",
-    "kmeans_k",
-    "global_test",
-    "public_size",
-  ):
-    if int(config[key]) < 1:
-      raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
+  if len(set(config.methods)) != len(config.methods):
+    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
   # The pool holds 2 N (train + test) pairs per client; half of it is held by no client.
-  spare = int(config.num_clients) * (int(config.train_per_client) + int(config.test_per_client))
+  spare = n * (int(config.train_per_client) + int(config.test_per_client))
   if int(config.global_test) + int(config.public_size) > spare:
     raise ConfigError(
       f"global_test + public_size must be <= {spare} (the pairs no client holds), got "
       f"{config.global_test} + {config.public_size}."
     )
+  if int(config.kmeans_k) > 2 * spare:
+    raise ConfigError(
+      f"kmeans_k ({config.kmeans_k}) must be at most the {2 * spare} captions it clusters "
+      f"(2 num_clients (train_per_client + test_per_client))."
+    )
+  r = config.rcsr
+  if int(r.router_width) % int(r.router_heads):
+    raise ConfigError(
+      f"rcsr.router_width ({r.router_width}) must be a multiple of rcsr.router_heads "
+      f"({r.router_heads}): each head reads width / heads of it."
+    )
+  if config.image_size % 4:
+    raise ConfigError(
+      f"image_size must be a multiple of {IMAGE_ENCODER}'s patch (4), got {config.image_size}."
+    )
+  if config.pretrained:
+    for name, key, field in (
+      (IMAGE_ENCODER, "image_size", "image_size"),
+      (TEXT_ENCODER, "max_len", "max_caption_len"),
+    ):
+      validation.check_pretrained(
+        f"world-clip/{name}", key, config[field], field=field, instead="pretrained=False"
+      )
 
 
 def _encoders(config):
@@ -104,8 +119,16 @@ def _encoders(config):
     vocab_size=len(world.VOCAB), max_len=config.max_caption_len, rngs=rngs
   )
   if config.pretrained:
-    pretrained.load_into(img, "world-clip/vit_t")
-    pretrained.load_into(txt, "world-clip/transformer_t")
+    pretrained.load_into(
+      img,
+      f"world-clip/{IMAGE_ENCODER}",
+      expect={"encoder": IMAGE_ENCODER, "image_size": config.image_size},
+    )
+    pretrained.load_into(
+      txt,
+      f"world-clip/{TEXT_ENCODER}",
+      expect={"encoder": TEXT_ENCODER, "max_len": config.max_caption_len},
+    )
   return img, txt
 
 

@@ -45,17 +45,23 @@ __all__ = [
   "DATA",
   "FEDMUSCLE",
   "FAULTS",
+  "FEDRGB",
   "FEDSCMR",
   "FINITE",
   "FRACTION",
   "NON_NEGATIVE",
   "NON_NEGATIVE_INT",
   "POSITIVE",
+  "PRETRAIN",
+  "RCSR",
   "Range",
+  "WORLD_CAPTION_LEN",
+  "WORLD_IMAGE_SIZE",
   "check_client_map",
   "check_data",
   "check_faults",
   "check_numbers",
+  "check_pretrained",
   "numeric_fields",
 ]
 
@@ -69,21 +75,26 @@ class Range:
     high: upper bound (``inf`` for none).
     low_open: exclude ``low`` itself (``> 0`` rather than ``>= 0``).
     integer: the value must be an ``int``.
+    high_open: exclude ``high`` itself (``in [0, 1)``: a share that may not be all).
   """
 
   low: float = -math.inf
   high: float = math.inf
   low_open: bool = False
   integer: bool = False
+  high_open: bool = False
 
   def describe(self) -> str:
-    """The bounds as a message says them: ``> 0``, ``>= 1``, ``in [0, 1]``."""
+    """The bounds as a message says them: ``> 0``, ``>= 1``, ``in [0, 1]``, ``in [0, 1)``."""
     if self.low > -math.inf and self.high < math.inf:
-      return f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}]"
+      return (
+        f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+        f"{_number(self.high)}{')' if self.high_open else ']'}"
+      )
     if self.low > -math.inf:
       return f"{'>' if self.low_open else '>='} {_number(self.low)}"
     if self.high < math.inf:
-      return f"<= {_number(self.high)}"
+      return f"{'<' if self.high_open else '<='} {_number(self.high)}"
     return "finite"
 
   def admits(self, value: Any) -> bool:
@@ -93,7 +104,8 @@ class Range:
     if not math.isfinite(value):
       return False
     above = value > self.low if self.low_open else value >= self.low
-    return above and value <= self.high
+    below = value < self.high if self.high_open else value <= self.high
+    return above and below
 
 
 def _number(x: float) -> str:
@@ -116,6 +128,11 @@ FRACTION = Range(0, 1)
 _FINITE = Range()
 #: Any finite number: factors that may be negative (a Byzantine scale).
 FINITE = _FINITE
+
+#: The embedded world's smallest image and caption (:class:`fedjax_mm.data.world.WorldConfig`
+#: refuses less; ``tests/test_runner_validation.py`` holds the two together).
+WORLD_IMAGE_SIZE = Range(16, integer=True)
+WORLD_CAPTION_LEN = Range(8, integer=True)
 
 #: The ``faults`` block every experiment config has (:mod:`fedjax_mm.core.faults`).
 FAULTS: dict[str, Range] = {
@@ -153,7 +170,7 @@ FEDMUSCLE: dict[str, Range] = {
   "public.size": COUNT,
   "public.shift": FRACTION,
   "public.max_objects": Range(1, 9, integer=True),
-  "public.min_visible": Range(0, 1, low_open=True),
+  "public.min_visible": Range(0, 1, low_open=True, high_open=True),
   "muscle.num_partners": COUNT,
   "muscle.batch_size": COUNT,
   "muscle.cl_epochs": COUNT,
@@ -424,6 +441,30 @@ def check_encoder(where: str, name: str, modality: str) -> None:
     raise ConfigError(f"{where}: {name!r} encodes {found}, not {modality}.")
 
 
+def check_pretrained(name: str, key: str, value: Any, *, field: str, instead: str) -> None:
+  """The shipped checkpoint ``name`` was pretrained with ``key == value``.
+
+  ``field`` is the config key that sets ``value`` and ``instead`` the other way
+  out, for the message: a World-CLIP ``vit_t`` pretrained on 32x32 images does
+  not fit a run on 16x16 ones, and its position table would say so only as a
+  shape mismatch, after the data is built.
+
+  Raises:
+    ConfigError: the checkpoint cannot be read, or records another ``key``.
+  """
+  from fedjax_mm.models import pretrained  # jax, only when validating
+
+  try:
+    found = pretrained.read_config(name).get(key)
+  except pretrained.PretrainedError as e:
+    raise ConfigError(str(e)) from None
+  if found != value:
+    raise ConfigError(
+      f"{name} was pretrained with {key}={found!r}; set {field}={found!r} or {instead}, "
+      f"got {field}={value!r}."
+    )
+
+
 def check_data(config: Any, reads: Iterable[tuple[str, str]] | None = None) -> tuple[str, ...]:
   """The datasets ``config.data`` names, each found prepared where it says; ``()`` for the world.
 
@@ -465,3 +506,107 @@ def check_data(config: Any, reads: Iterable[tuple[str, str]] | None = None) -> t
     except tfds_data.DatasetError as e:
       raise ConfigError(f"data: {e}") from None
   return tuple(dict.fromkeys(name for name, _ in reads))
+
+
+#: The numbers of ``experiments/fedrgb.py``.
+FEDRGB: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "devices": COUNT,  # at most this process's devices: check_devices
+  "rounds": COUNT,
+  "eval_every": COUNT,
+  "checkpoint_every": COUNT,
+  "num_clients": Range(2, integer=True),
+  "dirichlet_alpha": POSITIVE,
+  "train_per_client": COUNT,
+  "test_per_client": COUNT,  # >= gallery: the runner's check
+  "gallery": COUNT,
+  "ood_test": COUNT,
+  "image_size": WORLD_IMAGE_SIZE,  # a multiple of 4: the runner's check
+  "max_caption_len": WORLD_CAPTION_LEN,
+  "dim": COUNT,
+  "batch_size": COUNT,
+  "stage1_steps": COUNT,
+  "stage2_steps": COUNT,
+  "learning_rate": POSITIVE,
+  "weight_decay": NON_NEGATIVE,
+  "fedrgb.alpha": NON_NEGATIVE,
+  "fedrgb.beta": NON_NEGATIVE,
+  "fedrgb.gamma": NON_NEGATIVE,
+  "fedrgb.rho": NON_NEGATIVE,
+  "fedema_tau": POSITIVE,
+  "fedx.tau": POSITIVE,
+  "fedx.target_tau": POSITIVE,
+  "fedmae.mask_ratio": Range(0, 1, low_open=True, high_open=True),
+  "fedmae.weight": NON_NEGATIVE,
+  "distortion.steps": NON_NEGATIVE_INT,
+  "downstream.train": COUNT,
+  "downstream.test": COUNT,
+  "downstream.fractions[]": Range(0, 1, low_open=True),
+  "downstream.steps": NON_NEGATIVE_INT,
+  "downstream.batch_size": COUNT,
+  "downstream.learning_rate": POSITIVE,
+  "segmentation.steps": NON_NEGATIVE_INT,
+  "segmentation.batch_size": COUNT,
+  "segmentation.learning_rate": POSITIVE,
+  "segmentation.width": Range(4, integer=True),  # a multiple of 4: the runner's check
+}
+
+#: The numbers of ``experiments/rcsr.py``.
+RCSR: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "devices": COUNT,  # at most this process's devices: check_devices
+  "rounds": COUNT,
+  "eval_every": COUNT,
+  "checkpoint_every": COUNT,
+  "num_clients": Range(2, integer=True),
+  "participation": Range(0, 1, low_open=True),  # C
+  "missing_rate": Range(0, 1, high_open=True),  # MR: a client with both modalities stays
+  "alpha": POSITIVE,
+  "kmeans_k": COUNT,  # at most the pool: the runner's check
+  "train_per_client": COUNT,
+  "test_per_client": COUNT,
+  "global_test": COUNT,
+  "public_size": COUNT,
+  "image_size": WORLD_IMAGE_SIZE,  # a multiple of vit_t's patch (4): the runner's check
+  "max_caption_len": WORLD_CAPTION_LEN,
+  "adapter_dim": COUNT,
+  "head_hidden": COUNT,
+  "dim": COUNT,
+  "personal_hidden": COUNT,
+  "local_epochs": COUNT,
+  "batch_size": COUNT,
+  "learning_rate": POSITIVE,
+  "lr_warmup": NON_NEGATIVE_INT,
+  "rcsr.lambda_align": NON_NEGATIVE,
+  "rcsr.lambda_s": NON_NEGATIVE,
+  "rcsr.router_width": COUNT,  # a multiple of router_heads: the runner's check
+  "rcsr.router_layers": NON_NEGATIVE_INT,  # 0: the tokeniser MLP and read-out alone
+  "rcsr.router_heads": COUNT,
+  "rcsr.warmup_rounds": NON_NEGATIVE_INT,  # T_w
+  "rcsr.lambda_p": FRACTION,  # eq. (13): s_k, a share of the personal model
+  "rcsr.personal_start": NON_NEGATIVE_INT,  # T_p
+  "rcsr.personal_lr_ratio": POSITIVE,
+  "rcsr.mfcpl_weight": NON_NEGATIVE,
+  "rcsr.mekt_weight": NON_NEGATIVE,
+  "rcsr.mekt_temperature": POSITIVE,
+  "rcsr.creamfl_weight": NON_NEGATIVE,
+  "rcsr.creamfl_ema": Range(0, 1, high_open=True),
+}
+
+#: The numbers of ``experiments/pretrain.py`` (its ``epochs.<image encoder>`` are counts
+#: too: :func:`fedjax_mm.runner.pretrain.validate` adds them).
+PRETRAIN: dict[str, Range] = {
+  "seed": NON_NEGATIVE_INT,
+  "web.size": COUNT,  # >= batch_size: the runner's check
+  "web.shift": FRACTION,
+  "default_epochs": COUNT,
+  "batch_size": COUNT,
+  "embed_dim": COUNT,
+  "learning_rate": POSITIVE,
+  "weight_decay": NON_NEGATIVE,
+  "warmup_fraction": Range(0, 1, high_open=True),
+  "probe.train": Range(10, integer=True),
+  "probe.test": Range(10, integer=True),
+  "eval_pairs": Range(10, integer=True),
+  "stats_size": Range(2, integer=True),  # <= web.size: the runner's check
+}
