@@ -171,3 +171,27 @@ def test_a_bad_count_is_a_flag_error_not_a_traceback(module, flag):
   name = flag[2:].split("=")[0]
   assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
   assert f"--{name} must be positive integers, comma-separated" in done.stderr
+
+
+@pytest.mark.parametrize(
+  "module,flag,message",
+  [
+    ("muscle_loss", "--batches=0", "--batches must be positive integers, comma-separated"),
+    ("muscle_loss", "--max_partners=0", "0 is not a positive integer"),
+    ("gca", "--timing_public=", "--timing_public must be positive integers, comma-separated"),
+    ("cnn_step", "--models=cnn_s,foo", "--models must be one or more of cnn_s, cnn_m, resnet_t"),
+    ("vs_flower", "--rounds=1", "1 is not integer >= 2"),
+    ("vs_flower", "--contenders=engine,flower", "--contenders must be one or more of engine,"),
+  ],
+)
+def test_a_bad_flag_value_is_absls_one_line_error(module, flag, message):
+  """Each one was a traceback (or, for an empty list, a run that timed nothing)."""
+  done = subprocess.run(
+    [sys.executable, "-m", f"experiments.benchmarks.{module}", flag],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert "Flags parsing error" in done.stderr and message in done.stderr, done.stderr[-3000:]

@@ -39,13 +39,25 @@ def auto_client_map(mesh: jax.sharding.Mesh) -> str:
 def define_counts(name: str, default: Sequence[str], help_text: str):
   """A comma-separated list flag of positive integers, checked when flags are parsed.
 
-  ``--clients=8,64``; a bad entry (``--clients=8,abc``, ``0``) is absl's one-line
-  flag error, not a traceback from the benchmark's first ``int()``.
+  ``--clients=8,64``; a bad entry (``--clients=8,abc``, ``0``) or none
+  (``--clients=``) is absl's one-line flag error, not a traceback from the
+  benchmark's first ``int()`` or a run that times nothing.
   """
   holder = flags.DEFINE_list(name, list(default), help_text)
   flags.register_validator(
     name,
-    lambda values: all(v.isdigit() and int(v) > 0 for v in values),
+    lambda values: bool(values) and all(v.isdigit() and int(v) > 0 for v in values),
     message=f"--{name} must be positive integers, comma-separated (e.g. {','.join(default)})",
+  )
+  return holder
+
+
+def define_names(name: str, default: Sequence[str], known: Sequence[str], help_text: str):
+  """A comma-separated list flag whose entries are each one of ``known``, checked at parsing."""
+  holder = flags.DEFINE_list(name, list(default), f"{help_text} Known: {', '.join(known)}.")
+  flags.register_validator(
+    name,
+    lambda values: bool(values) and all(v in known for v in values),
+    message=f"--{name} must be one or more of {', '.join(known)}, comma-separated",
   )
   return holder

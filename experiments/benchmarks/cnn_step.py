@@ -48,15 +48,23 @@ import optax
 from absl import app, flags
 from flax import nnx
 
+from experiments import benchmarks
 from fedjax_mm import core, data, models
 from fedjax_mm.core import cost
 from fedjax_mm.models.conv import Conv
 from fedjax_mm.models.norm import GroupNorm
 
-_MODELS = flags.DEFINE_list("models", ["cnn_s", "cnn_m", "resnet_t"], "Zoo encoders to time.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per update.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Minibatch size.")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed updates per contender (median).")
+_MODELS = benchmarks.define_names(
+  "models",
+  ["cnn_s", "cnn_m", "resnet_t"],
+  [name for name, (modality, _) in models.ENCODERS.items() if modality == "image"],
+  "Zoo image encoders to time.",
+)
+_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per update.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 8, "Minibatch size.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer(
+  "repeats", 15, "Timed updates per contender (median).", lower_bound=1
+)
 _PRODUCT_CALLS = flags.DEFINE_integer(
   "product_calls",
   20,

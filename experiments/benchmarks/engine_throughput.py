@@ -50,16 +50,18 @@ from fedjax_mm.core import cost
 from fedjax_mm.models.conv import Conv
 
 _CLIENTS = benchmarks.define_counts("clients", ["8", "64", "512"], "Client counts N.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per cell (median).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per cell (median).", lower_bound=1)
 _LOOP_LIMIT = flags.DEFINE_integer(
-  "loop_limit", 64, "Time the loop on at most this many clients and scale."
+  "loop_limit", 64, "Time the loop on at most this many clients and scale.", lower_bound=1
 )
 _XLA_LIMIT = flags.DEFINE_integer(
   "xla_limit",
   8,
-  "Time the native-convolution contenders (one timed run each: they are slow) up to this N.",
+  "Time the native-convolution contenders (one timed run each: they are slow) up to this N "
+  "(0: never).",
+  lower_bound=0,
 )
 _DEVICES = flags.DEFINE_integer(
   "devices",

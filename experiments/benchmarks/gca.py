@@ -25,14 +25,21 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import benchmarks
 from fedjax_mm.server import gca
 
-_PUBLIC = flags.DEFINE_integer("num_public", 50_000, "P, public samples.")
-_DIM = flags.DEFINE_integer("dim", 256, "d, representation dimension.")
-_CLIENTS = flags.DEFINE_integer("clients", 10, "C, clients that sent this modality.")
-_CHUNK = flags.DEFINE_integer("chunk_size", None, "Anchors per chunk (default: automatic).")
-_TIMING = flags.DEFINE_list("timing_public", ["2000", "4000"], "P values for the timed comparison.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is reported).")
+_PUBLIC = flags.DEFINE_integer("num_public", 50_000, "P, public samples.", lower_bound=1)
+_DIM = flags.DEFINE_integer("dim", 256, "d, representation dimension.", lower_bound=1)
+_CLIENTS = flags.DEFINE_integer("clients", 10, "C, clients that sent this modality.", lower_bound=1)
+_CHUNK = flags.DEFINE_integer(
+  "chunk_size", None, "Anchors per chunk (default: automatic).", lower_bound=1
+)
+_TIMING = benchmarks.define_counts(
+  "timing_public", ["2000", "4000"], "P values for the timed comparison."
+)
+_REPEATS = flags.DEFINE_integer(
+  "repeats", 3, "Timed repetitions (best is reported).", lower_bound=1
+)
 _FULL = flags.DEFINE_bool("full", False, "Also run the chunked GCA at --num_public.")
 
 

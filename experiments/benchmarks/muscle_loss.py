@@ -46,13 +46,18 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from experiments import benchmarks
 from fedjax_mm import losses
 
-_DIM = flags.DEFINE_integer("dim", 256, "Representation dimension d.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Minimum timed runs per cell (median reported).")
-_MAX_GIB = flags.DEFINE_float("max_gib", 8.0, "Skip cells whose compiled temporaries exceed this.")
-_BATCHES = flags.DEFINE_list("batches", ["32", "64", "128"], "Batch sizes B.")
-_MAX_M = flags.DEFINE_integer("max_partners", 5, "Largest M.")
+_DIM = flags.DEFINE_integer("dim", 256, "Representation dimension d.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer(
+  "repeats", 5, "Minimum timed runs per cell (median reported).", lower_bound=1
+)
+_MAX_GIB = flags.DEFINE_float(
+  "max_gib", 8.0, "Skip cells whose compiled temporaries exceed this.", lower_bound=0.0
+)
+_BATCHES = benchmarks.define_counts("batches", ["32", "64", "128"], "Batch sizes B.")
+_MAX_M = flags.DEFINE_integer("max_partners", 5, "Largest M.", lower_bound=1)
 _GRAD = flags.DEFINE_enum(
   "grad",
   "all",

@@ -64,14 +64,17 @@ from experiments.benchmarks import flower_clients as workload
 from fedjax_mm import algorithms, core
 
 _CLIENTS = benchmarks.define_counts("clients", ["8", "64"], "Client counts N.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client and round.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.")
-_ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per contender (the first is not timed).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Local steps per client and round.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 8, "Local minibatch size.", lower_bound=1)
+_ROUNDS = flags.DEFINE_integer(
+  "rounds", 4, "Rounds per contender (the first is not timed).", lower_bound=2
+)
 _TRIALS = flags.DEFINE_integer(
   "trials",
   1,
   "Times every contender runs, in turn, per N; the engine's speed-up is the median of the "
   "per-trial ratios (this machine's speed drifts between contenders' runs).",
+  lower_bound=1,
 )
 _DEVICES = flags.DEFINE_integer(
   "devices",
@@ -81,15 +84,18 @@ _DEVICES = flags.DEFINE_integer(
   "Flower runs one client per core. Every N must be a multiple.",
   lower_bound=1,
 )
-_FLOWER_CPUS = flags.DEFINE_float("flower_cpus", 1.0, "num_cpus per simulated Flower client.")
+_FLOWER_CPUS = flags.DEFINE_float(
+  "flower_cpus", 1.0, "num_cpus per simulated Flower client.", lower_bound=0.0
+)
 _TORCH_THREADS = benchmarks.define_counts(
   "torch_threads", ["1", str(os.cpu_count())], "torch.set_num_threads values for the torch loop."
 )
 _TORCH_DEVICE = flags.DEFINE_string(
   "torch_device", "cpu", "Where the torch loop runs (a torch device: cpu, cuda, cuda:1)."
 )
-_CONTENDERS = flags.DEFINE_list(
+_CONTENDERS = benchmarks.define_names(
   "contenders",
+  ["engine", "flower+jax", "flower+torch", "torch loop"],
   ["engine", "flower+jax", "flower+torch", "torch loop"],
   "Which contenders to run.",
 )
