@@ -74,6 +74,15 @@ def test_cka_matches_the_hsic_formula():
   np.testing.assert_allclose(losses.cka_distance(jnp.asarray(z1), jnp.asarray(3 * k)), 0, atol=1e-6)
 
 
+def test_cka_refuses_what_is_not_two_kernels_of_one_shape():
+  z = jnp.ones((6, 3))
+  for k, l in ((z, z), (jnp.eye(6), jnp.eye(4)), (jnp.eye(6), z)):
+    with pytest.raises(ValueError, match=r"cka takes two \[n, n\] kernels on the same n samples"):
+      losses.cka(k, l)
+  with pytest.raises(ValueError, match="pass linear_kernel"):
+    losses.cka_distance(z, jnp.eye(5))
+
+
 def _np_rcl(z, labels, tau, lam, beta, where):
   """FedRCL's terms, anchor by anchor, pair by pair (see losses/fedrcl.py)."""
   s = z @ z.T

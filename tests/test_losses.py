@@ -267,8 +267,13 @@ def test_muscle_compiles_once_per_shape():
     (dict(others=np.ones((2, 1, 3)), anchor=np.ones((1, 3))), "at least 2"),
     (dict(tau=np.ones(3)), "tau must be"),
     (dict(gamma=np.ones((3, 3))), "gamma must be"),
-    (dict(anchor=np.ones((3, 3))), "anchor must be"),
-    (dict(anchor=np.ones((4, 5))), r"anchor must be \[B=4, d=3\], got shape \(4, 5\)"),
+    (
+      dict(anchor=np.ones((3, 3))),
+      r"must share B and d, got anchor \(3, 3\) and others \(2, 4, 3\)",
+    ),
+    (dict(anchor=np.ones((4, 5))), r"must share B and d, got anchor \(4, 5\)"),
+    (dict(others=np.ones((2, 4, 5))), r"got anchor \(4, 3\) and others \(2, 4, 5\)"),
+    (dict(anchor=np.ones(3)), r"must share B and d, got anchor \(3,\)"),
     (dict(anchor=np.ones((4, 3), int)), "anchor must be floating-point"),
     (dict(others=np.ones((2, 4, 3), int)), "others must be floating-point"),
     (dict(others=[np.ones((4, 3)), np.ones((3, 3))]), r"got shapes \[\(4, 3\), \(3, 3\)\]"),
@@ -283,6 +288,12 @@ def test_muscle_bad_input(kwargs, message):
   args = {k: float_(v) if isinstance(v, np.ndarray) else v for k, v in args.items()}
   with pytest.raises(ValueError, match=message):
     losses.muscle_loss(args.pop("anchor"), args.pop("others"), **args)
+
+
+def test_muscle_client_loss_names_the_targets_shape():
+  targets = losses.muscle_server_targets(jnp.ones((2, 4, 3)), tau=0.2, gamma=1.0)
+  with pytest.raises(ValueError, match=r"anchor must be \[B=4, d=3\], got shape \(4, 5\)"):
+    losses.muscle_client_loss(jnp.ones((4, 5)), targets)
 
 
 def test_muscle_takes_the_others_as_a_sequence_of_matrices():

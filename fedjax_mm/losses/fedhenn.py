@@ -61,7 +61,16 @@ def cka(k: Array, l: Array, *, eps: float = 1e-12) -> Array:
 
   Returns:
     ``<HKH, HLH>_F / (||HKH||_F ||HLH||_F)``.
+
+  Raises:
+    ValueError: ``k`` and ``l`` are not square kernels of one shape (a
+      representation matrix ``[n, d]`` in place of its kernel, say).
   """
+  if k.ndim != 2 or k.shape[0] != k.shape[1] or k.shape != l.shape:
+    raise ValueError(
+      f"cka takes two [n, n] kernels on the same n samples, got {k.shape} and {l.shape}; "
+      "pass linear_kernel(z) for representations z [n, d]."
+    )
   kc, lc = center_kernel(k), center_kernel(l)
   num = jnp.sum(kc * lc)
   den = jnp.sqrt(jnp.sum(kc * kc) * jnp.sum(lc * lc))
@@ -75,5 +84,8 @@ def cka_distance(z: Array, target_kernel: Array) -> Array:
     z: ``[n, d]`` this user's representations of the RAD.
     target_kernel: ``[n, n]`` the server's aggregated kernel ``K_bar`` (a
       constant for the user: no gradient flows into it).
+
+  Raises:
+    ValueError: as :func:`cka` (``z`` on other samples than the kernel's).
   """
   return 1.0 - cka(linear_kernel(z), jax.lax.stop_gradient(target_kernel))

@@ -407,6 +407,11 @@ def muscle_loss(
     ``[B]`` per-anchor losses.
   """
   others = stack_others(others)
+  if others.ndim == 3 and jnp.shape(anchor) != others.shape[1:]:
+    raise ValueError(
+      f"anchor [B, d] and others [M, B, d] must share B and d, got anchor "
+      f"{jnp.shape(anchor)} and others {others.shape}."
+    )
   targets = muscle_server_targets(others, tau=tau, gamma=gamma)
   logit_range = muscle_logit_range(tau, gamma, others.shape[0])
   return muscle_client_loss(
