@@ -134,7 +134,8 @@ FINITE = _FINITE
 WORLD_IMAGE_SIZE = Range(16, integer=True)
 WORLD_CAPTION_LEN = Range(8, integer=True)
 
-#: The ``faults`` block every experiment config has (:mod:`fedjax_mm.core.faults`).
+#: The ``faults`` block of FedMuscle's, CreamFL's and FedSCMR's configs
+#: (:mod:`fedjax_mm.core.faults`).
 FAULTS: dict[str, Range] = {
   "faults.dropout": FRACTION,
   "faults.stragglers": FRACTION,
