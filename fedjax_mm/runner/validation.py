@@ -509,21 +509,26 @@ def check_data(config: Any, reads: Iterable[tuple[str, str]] | None = None) -> t
   return tuple(dict.fromkeys(name for name, _ in reads))
 
 
-#: The numbers of ``experiments/fedrgb.py``.
-FEDRGB: dict[str, Range] = {
+#: What FedRGB's and RCSR's configs share: the run's schedule and its clients.
+_WORLD_RUN: dict[str, Range] = {
   "seed": NON_NEGATIVE_INT,
   "devices": COUNT,  # at most this process's devices: check_devices
   "rounds": COUNT,
   "eval_every": COUNT,
   "checkpoint_every": COUNT,
   "num_clients": Range(2, integer=True),
+  "image_size": WORLD_IMAGE_SIZE,  # a multiple of 4 (the ViTs' patch): the runners' check
+  "max_caption_len": WORLD_CAPTION_LEN,
+}
+
+#: The numbers of ``experiments/fedrgb.py``.
+FEDRGB: dict[str, Range] = {
+  **_WORLD_RUN,
   "dirichlet_alpha": POSITIVE,
   "train_per_client": COUNT,
   "test_per_client": COUNT,  # >= gallery: the runner's check
   "gallery": COUNT,
   "ood_test": COUNT,
-  "image_size": WORLD_IMAGE_SIZE,  # a multiple of 4: the runner's check
-  "max_caption_len": WORLD_CAPTION_LEN,
   "dim": COUNT,
   "batch_size": COUNT,
   "stage1_steps": COUNT,
@@ -554,12 +559,7 @@ FEDRGB: dict[str, Range] = {
 
 #: The numbers of ``experiments/rcsr.py``.
 RCSR: dict[str, Range] = {
-  "seed": NON_NEGATIVE_INT,
-  "devices": COUNT,  # at most this process's devices: check_devices
-  "rounds": COUNT,
-  "eval_every": COUNT,
-  "checkpoint_every": COUNT,
-  "num_clients": Range(2, integer=True),
+  **_WORLD_RUN,
   "participation": Range(0, 1, low_open=True),  # C
   "missing_rate": Range(0, 1, high_open=True),  # MR: a client with both modalities stays
   "alpha": POSITIVE,
@@ -568,8 +568,6 @@ RCSR: dict[str, Range] = {
   "test_per_client": COUNT,
   "global_test": COUNT,
   "public_size": COUNT,
-  "image_size": WORLD_IMAGE_SIZE,  # a multiple of vit_t's patch (4): the runner's check
-  "max_caption_len": WORLD_CAPTION_LEN,
   "adapter_dim": COUNT,
   "head_hidden": COUNT,
   "dim": COUNT,
