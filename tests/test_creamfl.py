@@ -115,13 +115,10 @@ def test_intra_modal_negative_is_the_start_of_round_model(setup):
 
   start_of_round = by_hand(state.params)
   after_private = by_hand(private.params)
-  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  _assert_trees(close, new.params, start_of_round)
-  differs = [
-    not np.allclose(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(after_private), strict=True)
-  ]
-  assert any(differs)
+  # Two compiled programs of the same arithmetic: equal at float32 rounding (rounding.py;
+  # at rtol 1e-6 / atol 1e-7 one weight in 2,048 once differed by 1.2e-7 under load in CI).
+  rounding.assert_close(new.params, start_of_round)
+  assert not rounding.close(new.params, after_private)
 
 
 def test_inactive_clients_take_no_step(setup):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import rounding
 from engine_toys import TASK, client_arrays, make_group
 from jax.sharding import PartitionSpec as P
 
@@ -94,9 +95,8 @@ def test_padded_samples_and_padding_clients_change_nothing():
   padded_data = core.make_client_data(arrays, mask, user_ids=np.arange(6), client_mask=client_mask)
   padded_trained, stats = _train(padded_group)(padded_state, padded_data)
 
-  chex.assert_trees_all_close(
-    _take(padded_trained.params, slice(0, len(SIZES))), trained.params, rtol=1e-6, atol=1e-7
-  )
+  # Two compiled programs (other shapes) of the same arithmetic: equal at float32 rounding.
+  rounding.assert_close(_take(padded_trained.params, slice(0, len(SIZES))), trained.params)
   chex.assert_trees_all_equal(
     _take(padded_trained.params, slice(len(SIZES), None)),
     _take(padded_state.params, slice(len(SIZES), None)),
