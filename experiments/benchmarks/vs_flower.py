@@ -93,11 +93,10 @@ _TORCH_THREADS = benchmarks.define_counts(
 _TORCH_DEVICE = flags.DEFINE_string(
   "torch_device", "cpu", "Where the torch loop runs (a torch device: cpu, cuda, cuda:1)."
 )
+#: Every contender, and the default: all of them.
+CONTENDERS = ("engine", "flower+jax", "flower+torch", "torch loop")
 _CONTENDERS = benchmarks.define_names(
-  "contenders",
-  ["engine", "flower+jax", "flower+torch", "torch loop"],
-  ["engine", "flower+jax", "flower+torch", "torch loop"],
-  "Which contenders to run.",
+  "contenders", CONTENDERS, CONTENDERS, "Which contenders to run."
 )
 
 
