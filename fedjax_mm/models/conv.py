@@ -19,23 +19,27 @@ costs (tested equal to ``lax.conv_general_dilated`` in
 ``tests/test_models_conv.py``). ``impl="xla"`` keeps the native convolution,
 which is the better choice for un-vmapped code on accelerators.
 
-On accelerators the input is passed through ``lax.optimization_barrier``
-before its views are taken, so XLA materialises it once instead of fusing its
-producer (the previous layer's GroupNorm and ReLU, or the input's cast to the
-compute dtype) into the copy of every view and into that copy's gradient. On
-an NVIDIA H200, 512 vmapped ``cnn_s`` clients (10 steps of batch 8), the round
-ran 1.22x faster in float32 and 1.08x in bfloat16, paired in one process: the
-patch copies and their gradients had been half of the round's GPU time,
-writing the patches at about a ninth of the memory bandwidth. Values and
-gradients are bit for bit the same. XLA:CPU gains nothing from it (64 clients
-on a 2-core CPU: the default scan engine equally fast, the loop over clients
-2% slower, paired), so on a CPU there is no barrier. Two other forms measured
-on the GPU lost to this one and were not kept: views stacked on a new axis
-before the channels, and the first layer's patches built by
+On accelerators the zero-padded input is passed through
+``lax.optimization_barrier`` before its views are taken, so XLA materialises
+it once instead of fusing its producer (the previous layer's GroupNorm and
+ReLU, or the input's cast to the compute dtype) and the padding into the copy
+of every view and into that copy's gradient. On an NVIDIA H200, 512 vmapped
+``cnn_s`` clients (10 steps of batch 8), a barrier on the unpadded input made
+the round 1.22x faster in float32 and 1.08x in bfloat16, paired in one
+process: the patch copies and their gradients had been half of the round's
+GPU time, writing the patches at about a ninth of the memory bandwidth.
+Moving it after the padding gained 1.007x in float32 and 1.067x in bfloat16
+more (paired, 7 rounds each, every round of the one faster than every round
+of the other). Values and gradients are bit for bit the same. XLA:CPU gains
+nothing from it (64 clients on a 2-core CPU: the default scan engine equally
+fast, the loop over clients 2% slower, paired), so on a CPU there is no
+barrier. Other forms measured on the GPU lost and were not kept: views
+stacked on a new axis before the channels; the first layer's patches built by
 ``lax.conv_general_dilated_patches`` (cuDNN's one-hot convolution was slower
-than the copy it replaced). Placing the barrier after the padding instead ran
-1.04x faster in bfloat16 in the same process; it was not measured in float32,
-so it was not taken. The README's GPU section has the figures.
+than the copy it replaced); the first layer's 27-wide patch rows padded with
+zeros to 32 (1.027x in float32 with the barrier on the input, but 0.99x in
+float32 and 0.98x in bfloat16 against the barrier after the padding alone).
+The README's GPU section has the figures.
 
 Padding is ``"SAME"`` exactly as XLA computes it
 (``lax.padtype_to_pads``), so the two implementations agree for every stride,
@@ -96,12 +100,13 @@ def conv2d(
   if x.shape[-1] != cin:
     raise ValueError(f"kernel expects {cin} input channels, images have {x.shape[-1]}.")
   (top, bottom), (left, right) = pads
-  if jax.default_backend() != "cpu":
-    # Materialise the input before its kh * kw views are copied out: without the barrier XLA
-    # fuses the producer (the previous layer's normalisation and activation) into the copies
-    # and their gradient. See the module docstring; XLA:CPU gains nothing from it.
-    x = jax.lax.optimization_barrier(x)
   padded = jnp.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+  if jax.default_backend() != "cpu":
+    # Materialise the padded input before its kh * kw views are copied out: without the
+    # barrier XLA fuses the producer (the previous layer's normalisation and activation, and
+    # the padding) into the copies and their gradient. See the module docstring; XLA:CPU
+    # gains nothing from it.
+    padded = jax.lax.optimization_barrier(padded)
   out_h = (height + top + bottom - kh) // stride + 1
   out_w = (width + left + right - kw) // stride + 1
   views = [
