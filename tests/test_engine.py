@@ -447,6 +447,27 @@ def test_evaluate_metrics_match_numpy():
     np.testing.assert_allclose(got["loss"][k], -np.mean(log_probs[np.arange(n), labels]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 7, 100])
+def test_apply_in_batches_equals_one_call_on_arrays_and_pytrees(batch_size):
+  """Minibatches of at most ``batch_size`` rows (the last padded) give ``fn`` of the whole."""
+  x = {"a": jnp.arange(21.0).reshape(7, 3), "b": jnp.arange(7) % 3}
+  seen = []
+
+  def fn(batch):
+    seen.append(batch["a"].shape[0])
+    return batch["a"].sum(-1) * batch["b"], {"rows": batch["a"] ** 2}
+
+  got = core.client.apply_in_batches(fn, x, batch_size)
+  want = fn(x)
+  chex.assert_trees_all_equal(got, want)
+  assert seen[0] == min(batch_size, 7)  # the traced minibatch, before the whole call
+  np.testing.assert_array_equal(
+    core.client.apply_in_batches(lambda r: r * 2, x["a"], batch_size), x["a"] * 2
+  )
+  with pytest.raises(ValueError, match="one leading size"):
+    core.client.apply_in_batches(fn, {"a": x["a"], "b": jnp.arange(5)}, batch_size)
+
+
 def test_task_validation():
   with pytest.raises(ValueError, match="unknown task kind"):
     core.Task(kind="regression", input_key="x", target_key="y", num_outputs=1)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_mm import losses, server
+from fedjax_mm import core, losses, server
 
 
 def _unit(rng, *shape):
@@ -414,3 +414,18 @@ def test_fedema_code_divergence_is_the_last_trainings_drift():
   np.testing.assert_allclose(m3["ema_mu"], want_mu, rtol=1e-5)
   with pytest.raises(ValueError, match="ema_divergence"):
     rgb.RgbConfig(method="fedema", ema_divergence="layer")
+
+
+def test_embedding_in_minibatches_equals_the_whole_set():
+  """The runner scores test and OOD sets ``EVAL_BATCH`` pairs at a time: the towers treat
+  pairs independently (no batch statistics), so minibatches change no embedding."""
+  alg, state, arrays, _ = _tiny()
+  pairs = {"images": arrays["images"][0], "captions": arrays["captions"][0]}  # 8 pairs
+
+  def embed(b):
+    return alg.embed(state.encoder, state.aligner, b["images"], b["captions"])
+
+  want = jax.jit(embed)(pairs)
+  got = jax.jit(lambda p: core.client.apply_in_batches(embed, p, 3))(pairs)  # 3 + 3 + 2 (padded)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

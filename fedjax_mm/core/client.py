@@ -628,18 +628,31 @@ def finite_per_client(stacked: PyTree) -> Array:
   )
 
 
-def apply_in_batches(fn: Callable[[Array], Array], x: Array, batch_size: int) -> Array:
-  """``fn`` on ``x [n, ...]`` in minibatches of ``batch_size`` (bounded memory).
+def apply_in_batches(fn: Callable[[PyTree], PyTree], x: PyTree, batch_size: int) -> PyTree:
+  """``fn`` on ``x`` in minibatches of ``batch_size`` rows (bounded memory).
 
-  ``fn`` sees whole minibatches ``[b, ...]`` (``jax.lax.map``'s own
-  ``batch_size`` would vmap it over single examples); the last one is padded.
+  ``x`` is an array ``[n, ...]`` or a pytree of them sharing ``n`` (e.g. a
+  dict of images and captions); ``fn`` sees whole minibatches ``[b, ...]``
+  (``jax.lax.map``'s own ``batch_size`` would vmap it over single examples),
+  the last one padded, and may return any pytree of ``[b, ...]`` arrays.
+  Equal to ``fn(x)`` for an ``fn`` that treats rows independently.
   """
-  n = x.shape[0]
+  leaves = jax.tree.leaves(x)
+  if not leaves:
+    raise ValueError("apply_in_batches needs at least one array.")
+  n = leaves[0].shape[0]
+  if any(leaf.ndim == 0 or leaf.shape[0] != n for leaf in leaves):
+    shapes = [leaf.shape for leaf in leaves]
+    raise ValueError(f"apply_in_batches needs arrays of one leading size, got {shapes}.")
   b = max(1, min(batch_size, n))
   chunks = math.ceil(n / b)
-  padded = jnp.pad(x, [(0, chunks * b - n)] + [(0, 0)] * (x.ndim - 1))
-  out = jax.lax.map(fn, padded.reshape((chunks, b) + x.shape[1:]))
-  return out.reshape((chunks * b,) + out.shape[2:])[:n]
+
+  def split(a):
+    padded = jnp.pad(a, [(0, chunks * b - n)] + [(0, 0)] * (a.ndim - 1))
+    return padded.reshape((chunks, b) + a.shape[1:])
+
+  out = jax.lax.map(fn, jax.tree.map(split, x))
+  return jax.tree.map(lambda o: o.reshape((chunks * b,) + o.shape[2:])[:n], out)
 
 
 def evaluate_client(

@@ -90,6 +90,10 @@ from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.report import format_table
 
 KS = (1, 5)
+# Pairs embedded at once when scoring a test or OOD set (core.client.apply_in_batches), as
+# the other runners do. Embedding a whole set at once held every layer's activations of it:
+# the smoke config with ood_test=20000 peaked at 13.2 GB resident, 2.7 GB in minibatches.
+EVAL_BATCH = 256
 #: Row name -> (algorithm method, RgbConfig overrides; a callable override is a function of
 #: the experiment config): the paper's rows and ablations.
 ROWS = {
@@ -424,12 +428,17 @@ def experiment(config) -> loop.Experiment:
   # (core.map_clients); the rest of a round (the server, the DRO teacher) is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
+  # The rounds and the evaluation take the data as arguments: closed over, every set would be
+  # a constant of the compiled program (a copy of it, and XLA folding its padding at compile
+  # time, which took seconds for 20,000 OOD pairs).
+  data = {"train": train, "mask": mask, "test": test, "ood": ood}
   if devices > 1:
     states0 = {m: core.replicate(s, mesh) for m, s in states0.items()}
+    data = core.replicate(data, mesh)
 
   # Each method's loop state is {"rgb": RgbState, "row": its index in ``methods``}: the row
   # tells evaluate which algorithm's client update retrains it (distortion).
-  def round_and_check(a, s):
+  def round_and_check(a, s, train, mask):
     rgb, out = a.round(s["rgb"], train, mask)
     leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
@@ -450,10 +459,11 @@ def experiment(config) -> loop.Experiment:
   unstacked_ndim = jax.tree.leaves(setup["base_state"].aligner)[0].ndim
 
   def score(enc, al, b):
-    return retrieval(*embedder.embed(enc, al, b["images"], b["captions"]), gallery)
+    embed = lambda x: embedder.embed(enc, al, x["images"], x["captions"])  # noqa: E731
+    return retrieval(*core.client.apply_in_batches(embed, b, EVAL_BATCH), gallery)
 
   @functools.partial(jax.jit, static_argnums=0)
-  def evaluate_jit(local, encoder, aligner):
+  def evaluate_jit(local, encoder, aligner, test, ood):
     axes = 0 if local else None
     own = jax.vmap(score, in_axes=(axes, axes, 0))(encoder, aligner, test)
     if local:  # every client's model on the shared OOD pairs, averaged
@@ -469,7 +479,7 @@ def experiment(config) -> loop.Experiment:
   dist_key = jax.random.key(config.seed + 19)  # the same client draws for every method
 
   @functools.partial(jax.jit, static_argnums=0)
-  def distortion_jit(a, encoder, aligner, teacher, decoder):
+  def distortion_jit(a, encoder, aligner, teacher, decoder, train, mask, test):
     return fedrgb_eval.distortion_matrix(
       a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps, decoder=decoder
     )
@@ -485,7 +495,14 @@ def experiment(config) -> loop.Experiment:
       d = {
         n: np.asarray(v, np.float64)
         for n, v in processes.gather(
-          distortion_jit(a, s.encoder, s.aligner, s.teacher, s.decoder)
+          distortion_jit(
+            a,
+            s.encoder,
+            s.aligner,
+            s.teacher,
+            s.decoder,
+            *(data[k] for k in ("train", "mask", "test")),
+          )
         ).items()
       }
       out[retrain] = {
@@ -568,7 +585,9 @@ def experiment(config) -> loop.Experiment:
     s, m = loop_state["rgb"], methods[int(loop_state["row"])]
     local = jax.tree.leaves(s.aligner)[0].ndim > unstacked_ndim
     # Run on the state's mesh, read whole here (gathered, in a job of several processes).
-    own, shifted = processes.gather(evaluate_jit(local, s.encoder, s.aligner))
+    own, shifted = processes.gather(
+      evaluate_jit(local, s.encoder, s.aligner, data["test"], data["ood"])
+    )
     own = {name: np.asarray(v, np.float64) for name, v in own.items()}
     out = {
       "mean": {name: float(v.mean()) for name, v in own.items()},
@@ -705,7 +724,7 @@ def experiment(config) -> loop.Experiment:
 
   return loop.Experiment(
     init=init,
-    methods={m: (lambda s, m=m: rounds[m](s)) for m in methods},
+    methods={m: (lambda s, m=m: rounds[m](s, data["train"], data["mask"])) for m in methods},
     evaluate=evaluate,
     nonfinite=lambda out: [] if bool(out["finite"]) else ["the global model"],
     scalars=scalars,
