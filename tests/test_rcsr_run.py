@@ -159,3 +159,22 @@ def test_every_variant_validates(variant):
 def test_unknown_variant_names_the_known_ones():
   with pytest.raises(ValueError, match="known: smoke, ablations, baselines, sweeps"):
     rcsr_config.get_config("sweep")
+
+
+def test_recall_equals_the_whole_similarity_matrix():
+  """R@K of paired embeddings, formed a chunk of queries at a time, equals the ranks read
+  off the whole ``n x n`` similarity matrix (ties counted for the query)."""
+  rng = np.random.default_rng(0)
+  z_i = rng.normal(size=(37, 6)).astype(np.float32)
+  z_t = rng.normal(size=(37, 6)).astype(np.float32)
+  z_t[5] = z_t[3]  # a tie: image 3's caption 5 is as similar as its own
+  sims = z_i.astype(np.float64) @ z_t.T.astype(np.float64)
+  diag = np.diagonal(sims)
+  rank_i2t = (sims > diag[:, None]).sum(1)
+  rank_t2i = (sims > diag[None, :]).sum(0)
+  got = runner.recall(jax.numpy.asarray(z_i), jax.numpy.asarray(z_t))
+  for k in runner.KS:
+    i2t, t2i = 100 * np.mean(rank_i2t < k), 100 * np.mean(rank_t2i < k)
+    np.testing.assert_allclose(got[f"i2t_R@{k}"], i2t, rtol=1e-6)
+    np.testing.assert_allclose(got[f"t2i_R@{k}"], t2i, rtol=1e-6)
+    np.testing.assert_allclose(got[f"R@{k}"], (i2t + t2i) / 2, rtol=1e-6)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fedjax_mm import core
+from fedjax_mm import core, metrics
 from fedjax_mm.algorithms import rcsr as alg
 from fedjax_mm.core import processes
 from fedjax_mm.core.sharding import replicated, traced_in
@@ -223,15 +223,15 @@ def build(config):
 
 
 def recall(z_i: jax.Array, z_t: jax.Array) -> dict[str, jax.Array]:
-  """R@K of pairs ``(z_i[j], z_t[j])``: both directions, in percent."""
-  sims = z_i @ z_t.T
-  diag = jnp.diagonal(sims)
-  rank_i2t = (sims > diag[:, None]).sum(1)  # texts beating the true one
-  rank_t2i = (sims > diag[None, :]).sum(0)
-  out = {}
+  """R@K of pairs ``(z_i[j], z_t[j])``: both directions, in percent.
+
+  A query's rank is the number of candidates strictly more similar than its own
+  pair (:func:`fedjax_mm.metrics.image_text_recall` with one caption per image,
+  which forms the similarities ``chunk_size`` queries at a time, never all
+  ``n x n`` of them).
+  """
+  out = metrics.image_text_recall(z_i, z_t, jnp.arange(z_i.shape[0]), ks=KS)
   for k in KS:
-    out[f"i2t_R@{k}"] = 100 * (rank_i2t < k).mean()
-    out[f"t2i_R@{k}"] = 100 * (rank_t2i < k).mean()
     out[f"R@{k}"] = (out[f"i2t_R@{k}"] + out[f"t2i_R@{k}"]) / 2
   return out
 
@@ -270,22 +270,26 @@ def experiment(config) -> loop.Experiment:
   # round's sampled clients (core.map_clients); the rest of the round is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
+  # The round and the evaluation take the data as arguments: closed over, every set would be
+  # a constant of the compiled program (a copy of it for XLA to fold at compile time).
+  data = {k: setup[k] for k in ("train", "mask", "modality", "public", "test", "global_test")}
   if devices > 1:
     state0 = core.replicate(state0, mesh)
+    data = core.replicate(data, mesh)
 
-  def round_and_check(meth, s, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
+  def round_and_check(meth, s, d, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
     s, out = round_fn(
       meth,
       s,
-      setup["train"],
-      setup["mask"],
-      setup["modality"],
+      d["train"],
+      d["mask"],
+      d["modality"],
       moon=moon,
       fedper=fedper,
       mfcpl=mfcpl,
       mekt=mekt,
       cream=cream,
-      public=setup["public"],
+      public=d["public"],
     )
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
@@ -305,10 +309,16 @@ def experiment(config) -> loop.Experiment:
 
   def step(m):
     flags = alg.round_flags(m)
-    return lambda s: round_jit(meths[m], s, **flags)
+    return lambda s: round_jit(meths[m], s, data, **flags)
+
+  def embeddings(params, personal, pairs, client_scale=None):
+    # spec.eval_batch pairs at a time: the whole set at once held every layer's activations.
+    return alg.client_embeddings(
+      spec, frozen, params, personal, pairs["image"], pairs["caption"], client_scale
+    )
 
   @jax.jit
-  def evaluate_jit(s):
+  def evaluate_jit(s, test, g):
     cs = s.method.client_scale
 
     def own_params(previous):
@@ -317,8 +327,7 @@ def experiment(config) -> loop.Experiment:
 
     def client(personal, previous, arrays, wr):
       model = spec.merge(own_params(previous), personal, frozen)
-      z_i = model.embed_image(arrays["image"], cs)
-      z_t = model.embed_text(arrays["caption"], cs)
+      z_i, z_t = embeddings(own_params(previous), personal, arrays, cs)
       s_k = alg.strength(spec, s.method, wr)
       p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
       # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
@@ -329,19 +338,16 @@ def experiment(config) -> loop.Experiment:
       z_t = jnp.where(s.method.personal, p_t, z_t)
       return recall(z_i, z_t) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
 
-    own = jax.vmap(client)(s.personal, s.previous, setup["test"], s.last_wr)
-    g = setup["global_test"]
+    own = jax.vmap(client)(s.personal, s.previous, test, s.last_wr)
 
     def shared():
       # The shared model alone (RCSR-p's and pFedMMA's client parts off).
-      model = spec.merge(s.params, jax.tree.map(lambda x: x[0], s.personal), frozen)
-      return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+      return recall(*embeddings(s.params, jax.tree.map(lambda x: x[0], s.personal), g))
 
     def mean_of_clients():
       # FedPer has no shared model: the mean over the N clients' own models.
       def one(previous):
-        model = spec.merge(previous, jax.tree.map(lambda x: x[0], s.personal), frozen)
-        return recall(model.embed_image(g["image"]), model.embed_text(g["caption"]))
+        return recall(*embeddings(previous, jax.tree.map(lambda x: x[0], s.personal), g))
 
       return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, s.previous))
 
@@ -349,7 +355,7 @@ def experiment(config) -> loop.Experiment:
 
   def evaluate(s) -> dict[str, Any]:
     # Run on the state's mesh, read whole here (gathered, in a job of several processes).
-    own, glob = processes.gather(evaluate_jit(s))
+    own, glob = processes.gather(evaluate_jit(s, data["test"], data["global_test"]))
     own = {k: np.asarray(v).tolist() for k, v in own.items()}
     r1 = np.asarray(own["R@1"])
     return {
