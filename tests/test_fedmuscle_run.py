@@ -169,6 +169,16 @@ def test_standardize_needs_statistics_and_can_be_turned_off(tmp_path):
     runner.validate(config)
 
 
+@pytest.mark.parametrize("modalities", [("audio",), ("image", "audio"), (), ("image", "image")])
+def test_public_modalities_are_image_and_text_each_once(modalities):
+  """A modality the public set cannot hold is one line naming it (("image", "audio") was a
+  KeyError traceback when the public set was built)."""
+  config = fedmuscle_config.get_config("smoke")
+  config.public.modalities = modalities
+  with pytest.raises(runner.ConfigError, match="public.modalities must name one or both of"):
+    runner.validate(config)
+
+
 def test_unknown_model_and_task_names():
   config = fedmuscle_config.get_config("smoke")
   config.users[0]["encoder"] = "vit_xxl"

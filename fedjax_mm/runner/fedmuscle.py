@@ -169,6 +169,13 @@ def validate(config) -> tuple[User, ...]:
   methods = methods_of(config)
   if faults.enabled and set(methods) - {"fedmuscle", "local"}:
     raise ConfigError("faults are simulated for fedmuscle (and local) only; drop the baselines.")
+  public = tuple(config.public.modalities)
+  unknown = [m for m in public if m not in _MODALITY_KEY]
+  if unknown or not public or len(set(public)) != len(public):
+    raise ConfigError(
+      f"public.modalities must name one or both of {', '.join(_MODALITY_KEY)}, each once, got "
+      f"{public}."
+    )
   users = tuple(User(i, u["encoder"], u["task"]) for i, u in enumerate(config.users))
   if len(users) < 2:
     raise ConfigError(f"FedMuscle needs at least 2 users, the config has {len(users)}.")
