@@ -37,8 +37,9 @@ barrier. Other forms measured on the GPU lost and were not kept: views
 stacked on a new axis before the channels; the first layer's patches built by
 ``lax.conv_general_dilated_patches`` (cuDNN's one-hot convolution was slower
 than the copy it replaced); the first layer's 27-wide patch rows padded with
-zeros to 32 (1.027x in float32 with the barrier on the input, but 0.99x in
-float32 and 0.98x in bfloat16 against the barrier after the padding alone).
+zeros to 32 (with the barrier after the padding 0.98x of it in both
+precisions; with the barrier on the input 1.027x in float32 but 1.035x in
+bfloat16, below the barrier after the padding's 1.067x).
 The README's GPU section has the figures.
 
 Padding is ``"SAME"`` exactly as XLA computes it
