@@ -794,10 +794,12 @@ def experiment(config) -> loop.Experiment:
   others = tuple(m for m in methods if m != "local")
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
 
+  # The rounds and the evaluation take the sets as arguments: closed over, every set would be
+  # a constant of the compiled program, a copy of it that XLA folds at compile time.
   def step(name):
     inputs = (train_data,) if name == "local" else (train_data, public)
 
-    def fn(s):
+    def fn(s, *inputs):
       s, stats = algs[name].round(s, *inputs)
       out = {"finite": _finite_per_user(s)}
       out |= {k: stats[k] for k in USER_LOSSES if stats.get(k) is not None}
@@ -805,17 +807,18 @@ def experiment(config) -> loop.Experiment:
         out["fault_counts"] = stats["fault_counts"]
       return s, out
 
-    return jax.jit(fn, donate_argnums=0)
+    jitted = jax.jit(fn, donate_argnums=0)
+    return lambda s: jitted(s, *inputs)
 
   evaluate_groups = jax.jit(
-    lambda s: [
+    lambda s, test_data: [
       core.evaluate_group(g, gs, d) for g, gs, d in zip(groups, s.groups, test_data, strict=True)
     ]
   )
 
   def evaluate(s) -> list[float]:
     """Each user's test metric (its group holds it alone)."""
-    per_group = evaluate_groups(s)
+    per_group = evaluate_groups(s, test_data)
     return [
       float(np.asarray(m[g.task.metric_name])[0]) for m, g in zip(per_group, groups, strict=True)
     ]

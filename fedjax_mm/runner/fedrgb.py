@@ -523,20 +523,26 @@ def experiment(config) -> loop.Experiment:
   num_classes = max(c for c, _ in DOWNSTREAM.values())
   valid = jnp.asarray([np.arange(num_classes) < DOWNSTREAM[t][0] for t in tasks])
   stacked = lambda labels: jnp.asarray(np.stack([labels[t] for t in tasks]))
-  labels, test_labels = stacked(down["labels"]), stacked(down["test_labels"])
+  # The labelled scenes, passed to the jitted evaluations as arguments (like the rounds' data).
+  scenes = {
+    k: down[k] for k in ("images", "masks", "test_images", "seg_targets", "seg_test_targets")
+  }
+  scenes |= {"labels": stacked(down["labels"]), "test_labels": stacked(down["test_labels"])}
+  if devices > 1:
+    scenes = core.replicate(scenes, mesh)
 
   @jax.jit
-  def finetune_jit(encoder, aligner):
+  def finetune_jit(encoder, aligner, d):
     def one(y, y_test, classes):
       return fedrgb_eval.finetune_accuracy(
         embedder,
         encoder,
         aligner,
         down_key,
-        down["images"],
+        d["images"],
         y,
-        down["masks"],
-        down["test_images"],
+        d["masks"],
+        d["test_images"],
         y_test,
         num_classes=num_classes,
         steps=int(down_cfg.steps),
@@ -546,10 +552,10 @@ def experiment(config) -> loop.Experiment:
         classes=classes,
       )
 
-    return jax.vmap(one)(labels, test_labels, valid)
+    return jax.vmap(one)(d["labels"], d["test_labels"], valid)
 
   def downstream(encoder, aligner) -> dict[str, dict[str, float]]:
-    acc = np.asarray(processes.gather(finetune_jit(encoder, aligner)))  # [tasks, fractions]
+    acc = np.asarray(processes.gather(finetune_jit(encoder, aligner, scenes)))  # [tasks, fractions]
     return {
       t: {fraction_label(f): float(v) for f, v in zip(fractions, acc[i], strict=True)}
       for i, t in enumerate(tasks)
@@ -560,17 +566,17 @@ def experiment(config) -> loop.Experiment:
   seg_key = jax.random.key(config.seed + 29)  # the same decoder start and draws for every row
 
   @jax.jit
-  def segment_jit(encoder, aligner):
+  def segment_jit(encoder, aligner, d):
     return fedrgb_eval.segmentation_dice(
       embedder,
       encoder,
       aligner,
       seg_key,
-      down["images"],
-      down["seg_targets"],
-      down["masks"],
-      down["test_images"],
-      down["seg_test_targets"],
+      d["images"],
+      d["seg_targets"],
+      d["masks"],
+      d["test_images"],
+      d["seg_test_targets"],
       steps=int(seg_cfg.steps),
       batch_size=int(seg_cfg.batch_size),
       learning_rate=float(seg_cfg.learning_rate),
@@ -578,7 +584,7 @@ def experiment(config) -> loop.Experiment:
     )
 
   def segmentation(encoder, aligner) -> dict[str, float]:
-    dice = np.asarray(processes.gather(segment_jit(encoder, aligner)))  # [fractions]
+    dice = np.asarray(processes.gather(segment_jit(encoder, aligner, scenes)))  # [fractions]
     return {fraction_label(f): 100.0 * float(v) for f, v in zip(fractions, dice, strict=True)}
 
   def evaluate(loop_state) -> dict[str, Any]:
