@@ -466,6 +466,8 @@ def test_apply_in_batches_equals_one_call_on_arrays_and_pytrees(batch_size):
   )
   with pytest.raises(ValueError, match="one leading size"):
     core.client.apply_in_batches(fn, {"a": x["a"], "b": jnp.arange(5)}, batch_size)
+  with pytest.raises(ValueError, match="one leading size"):  # a scalar first leaf
+    core.client.apply_in_batches(fn, {"a": jnp.float32(1), "b": x["b"]}, batch_size)
 
 
 def test_task_validation():

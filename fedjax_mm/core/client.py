@@ -640,7 +640,7 @@ def apply_in_batches(fn: Callable[[PyTree], PyTree], x: PyTree, batch_size: int)
   leaves = jax.tree.leaves(x)
   if not leaves:
     raise ValueError("apply_in_batches needs at least one array.")
-  n = leaves[0].shape[0]
+  n = leaves[0].shape[0] if leaves[0].ndim else None
   if any(leaf.ndim == 0 or leaf.shape[0] != n for leaf in leaves):
     shapes = [leaf.shape for leaf in leaves]
     raise ValueError(f"apply_in_batches needs arrays of one leading size, got {shapes}.")

@@ -326,8 +326,9 @@ def experiment(config) -> loop.Experiment:
       return jax.tree.map(lambda p, q: jnp.where(s.method.fedper, q, p), s.params, previous)
 
     def client(personal, previous, arrays, wr):
-      model = spec.merge(own_params(previous), personal, frozen)
-      z_i, z_t = embeddings(own_params(previous), personal, arrays, cs)
+      params = own_params(previous)
+      model = spec.merge(params, personal, frozen)
+      z_i, z_t = embeddings(params, personal, arrays, cs)
       s_k = alg.strength(spec, s.method, wr)
       p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
       # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
