@@ -181,3 +181,15 @@ def test_a_bad_flag_value_is_absls_one_line_error(module, flag, message):
   )
   assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
   assert "Flags parsing error" in done.stderr and message in done.stderr, done.stderr[-3000:]
+
+
+def test_recall_times_the_block_kernel_against_per_query_ranks():
+  out = _run("recall", "--pairs=96,100", "--dim=8", "--gallery=8", "--chunk_size=16", "--repeats=1")
+  rows = re.findall(
+    r"^\s*(\d+)\s+(\d+) \|\s+[\d.]+ms \|\s+[\d.]+ms \|\s+[\d.]+x \| (\d+) of (\d+)$", out, re.M
+  )
+  assert [(int(n), int(f)) for n, f, _, _ in rows] == [(96, 1), (96, 12), (100, 1)]
+  assert "100: --gallery=8 does not divide it" in out
+  for _, _, differ, queries in rows:
+    # Same dot products in another order: at most a near-tie or two may fall the other way.
+    assert int(queries) in (192, 200) and int(differ) <= 2

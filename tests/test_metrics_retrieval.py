@@ -170,6 +170,22 @@ def test_recall_rejects_bad_folds():
     metrics.image_text_recall(images, texts, ids[:-1])
 
 
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
+def test_bad_chunk_size_is_one_value_error(chunk_size):
+  images, texts, ids = _recall_problem(0, num_images=10)
+  with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+    metrics.image_text_recall(images, texts, ids, chunk_size=chunk_size)
+  query, database, query_labels, database_labels = _ranking_problem(0)
+  for fn in (metrics.map_at_n, metrics.ndcg_at_n):
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+      fn(query, database, query_labels, database_labels, n=5, chunk_size=chunk_size)
+
+
+def test_recall_of_an_empty_set_is_refused():
+  with pytest.raises(ValueError, match="at least one image and one caption"):
+    metrics.image_text_recall(np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, int))
+
+
 # ----------------------------------------------------------------------------
 # mAP@N and NDCG@N
 
