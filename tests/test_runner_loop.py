@@ -183,3 +183,16 @@ def test_restored_state_keeps_each_leafs_placement_so_the_round_compiles_once():
     else bool((a == b).all())
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(placed), strict=True)
   )
+
+
+def test_the_bar_names_the_method_and_phase_within_a_round(tmp_path, capsys):
+  """One round of every method may take minutes: the bar says which method does what
+  (toy: evaluation every 2 rounds and at the last), then ends on its own label."""
+  loop.run(loop_toy.experiment, loop_toy.get_config(), tmp_path / "run", progress=True)
+  states = [s.strip() for s in capsys.readouterr().err.split("\r") if s.strip()]
+  phases = [s[len("rounds (") : s.index(")")] for s in states if s.startswith("rounds (")]
+  # Every phase is drawn as it starts (the label refreshes at once, unlike the count).
+  one_round = ["one: training", "two: training"]
+  evaluated = ["one: training", "one: evaluation", "two: training", "two: evaluation"]
+  assert phases == one_round + evaluated + one_round + 2 * evaluated, phases
+  assert states[-1].startswith("rounds: 100%") and "5/5" in states[-1], states[-1]

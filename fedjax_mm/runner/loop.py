@@ -365,6 +365,7 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
       evaluating = done % experiment.eval_every == 0 or done == total
       outs, evals = {}, {}
       for m, round_fn in experiment.methods.items():
+        _phase(bar, f"{m}: training")
         state[m], out = round_fn(state[m])
         outs[m] = processes.gather(out)  # Clients on other processes' devices: read whole here.
         bad = experiment.nonfinite(outs[m])
@@ -381,6 +382,7 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
           ledger = ledgers.get(m) or Ledger.zeros(len(up))
           ledgers[m] = ledger.add(up=up, down=down, round=done)
         if evaluating:
+          _phase(bar, f"{m}: evaluation")
           evals[m] = experiment.evaluate(state[m])
       final.update(evals)
       if writers:
@@ -394,12 +396,24 @@ def _rounds(experiment, config, state, ledgers, start, checkpointer, writers, pr
         checkpointer.save(done, pack(state), metadata=metadata)
       postfix = experiment.postfix(evals)
       if bar is not None:
+        bar.set_description_str(_BAR, refresh=False)
         if postfix:
           bar.set_postfix(postfix, refresh=False)
         bar.update(1)  # Round `done` is finished: a stop below leaves the bar at it.
       if stop:
         raise Preempted(done)  # The checkpointer finishes the save on the way out.
   return final
+
+
+#: The rounds' bar's label; within a round it also names the method and its phase, as
+#: one round of every method may take minutes (``rounds (fedavg: evaluation)``).
+_BAR = "rounds"
+
+
+def _phase(bar, what: str) -> None:
+  """Shows on the bar, at once, what the round is doing now (no-op without a bar)."""
+  if bar is not None:
+    bar.set_description_str(f"{_BAR} ({what})", refresh=True)
 
 
 def _progress(start: int, total: int, enabled: bool):
@@ -414,7 +428,7 @@ def _progress(start: int, total: int, enabled: bool):
     return contextlib.nullcontext()
   from tqdm.auto import tqdm  # Lazy: only runs with a bar need it.
 
-  return tqdm(initial=start, total=total, desc="rounds", unit="round", dynamic_ncols=True)
+  return tqdm(initial=start, total=total, desc=_BAR, unit="round", dynamic_ncols=True)
 
 
 def _key_data(leaf):
