@@ -199,9 +199,10 @@ def _image_text_recall(
 def image_text_ranks(
   images: Array, texts: Array, ids: Array, num_folds: int, chunk_size: int
 ) -> tuple[Array, Array]:
-  """``[Ni]`` i2t and ``[Nt]`` t2i ranks of :func:`image_text_recall` (validated arrays).
+  """``[Ni]`` i2t and ``[Nt]`` t2i ranks, as :func:`image_text_recall` defines them.
 
-  Unvalidated; traceable. An image without a caption gets the largest int32.
+  Traceable, and checks nothing: the arrays are as :func:`image_text_recall` has
+  validated them. An image without a caption gets the largest int32 (never found).
   """
   num_images = images.shape[0]
   fold_size = num_images // num_folds
