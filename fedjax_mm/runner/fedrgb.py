@@ -467,7 +467,9 @@ def experiment(config) -> loop.Experiment:
     axes = 0 if local else None
     own = jax.vmap(score, in_axes=(axes, axes, 0))(encoder, aligner, test)
     if local:  # every client's model on the shared OOD pairs, averaged
-      shifted = jax.vmap(score, in_axes=(0, 0, None))(encoder, aligner, ood)
+      # One client at a time: vmapped, each block of similarities (chunk x OOD pairs) was
+      # formed for all K clients at once, K times the memory.
+      shifted = jax.lax.map(lambda m: score(*m, ood), (encoder, aligner))
       shifted = jax.tree.map(jnp.mean, shifted)
     else:
       shifted = score(encoder, aligner, ood)
