@@ -168,6 +168,7 @@ def test_vs_flower_runs_the_engine_alone_without_the_peers_extra():
     ("cnn_step", "--models=cnn_s,foo", "--models must be one or more of cnn_s, cnn_m, resnet_t"),
     ("vs_flower", "--rounds=1", "1 is not integer >= 2"),
     ("vs_flower", "--contenders=engine,flower", "--contenders must be one or more of engine,"),
+    ("recall", "--chunk_size=0", "0 is not a positive integer"),
   ],
 )
 def test_a_bad_flag_value_is_absls_one_line_error(module, flag, message):

@@ -33,10 +33,12 @@ from experiments import benchmarks
 from fedjax_mm import metrics
 
 _PAIRS = benchmarks.define_counts("pairs", ["2048", "10240"], "Numbers of image-caption pairs.")
-_DIM = flags.DEFINE_integer("dim", 64, "Embedding dimension.")
-_GALLERY = flags.DEFINE_integer("gallery", 32, "Images per fold of the folded protocol.")
-_CHUNK = flags.DEFINE_integer("chunk_size", 1000, "Queries per block.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed turns per row.")
+_DIM = flags.DEFINE_integer("dim", 64, "Embedding dimension.", lower_bound=1)
+_GALLERY = flags.DEFINE_integer(
+  "gallery", 32, "Images per fold of the folded protocol.", lower_bound=1
+)
+_CHUNK = flags.DEFINE_integer("chunk_size", 1000, "Queries per block.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed turns per row.", lower_bound=1)
 
 
 def _per_query_ranks(images, texts, ids, num_folds, chunk_size):
@@ -64,10 +66,6 @@ def _per_query_ranks(images, texts, ids, num_folds, chunk_size):
   queries = (images, jnp.arange(images.shape[0], dtype=jnp.int32))
   i2t = jax.lax.map(image_query, queries, batch_size=chunk_size)
   return i2t, jax.lax.map(text_query, (texts, ids), batch_size=chunk_size)
-
-
-def _block_ranks(images, texts, ids, num_folds, chunk_size):
-  return metrics.retrieval.image_text_ranks(images, texts, ids, num_folds, chunk_size)
 
 
 def _paired(first, second, args, repeats):
@@ -100,7 +98,7 @@ def main(argv):
         continue
       static = {"num_folds": folds, "chunk_size": _CHUNK.value}
       old = jax.jit(functools.partial(_per_query_ranks, **static))
-      new = jax.jit(functools.partial(_block_ranks, **static))
+      new = jax.jit(functools.partial(metrics.retrieval.image_text_ranks, **static))
       ratio, (t_old, t_new) = _paired(old, new, (images, texts, ids), _REPEATS.value)
       differ = sum(
         int(np.sum(np.asarray(a) != np.asarray(b)))

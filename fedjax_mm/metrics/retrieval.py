@@ -188,12 +188,16 @@ def _image_text_recall(
 ) -> tuple[Array, Array]:
   """``[len(ks)]`` i2t and t2i recalls (percentages) of validated arrays."""
   i2t_rank, t2i_rank = image_text_ranks(images, texts, ids, num_folds, chunk_size)
-  fold_size = images.shape[0] // num_folds
-  image_fold = jnp.arange(images.shape[0], dtype=jnp.int32) // fold_size
-  caption_fold = ids // fold_size
+  _, image_fold, caption_fold = _folds(images.shape[0], ids, num_folds)
   i2t = jnp.stack([_fold_mean(i2t_rank < k, image_fold, num_folds) for k in ks])
   t2i = jnp.stack([_fold_mean(t2i_rank < k, caption_fold, num_folds) for k in ks])
   return 100 * i2t, 100 * t2i
+
+
+def _folds(num_images: int, ids: Array, num_folds: int) -> tuple[int, Array, Array]:
+  """Images per fold, and the fold of each image and of each caption (its image's)."""
+  fold_size = num_images // num_folds
+  return fold_size, jnp.arange(num_images, dtype=jnp.int32) // fold_size, ids // fold_size
 
 
 def image_text_ranks(
@@ -205,9 +209,7 @@ def image_text_ranks(
   validated them. An image without a caption gets the largest int32 (never found).
   """
   num_images = images.shape[0]
-  fold_size = num_images // num_folds
-  image_fold = jnp.arange(num_images, dtype=jnp.int32) // fold_size
-  caption_fold = ids // fold_size
+  fold_size, image_fold, caption_fold = _folds(num_images, ids, num_folds)
 
   # A block of queries against every candidate, one matrix product per block: a block's
   # ranks read its own row of similarities, so each query's comparisons (its correct
