@@ -109,14 +109,14 @@ def test_recall_matches_brute_force(seed, folds, ragged, x64):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("folds", [None, 2])
-def test_recall_with_exact_ties_uses_the_optimistic_rule(seed, folds):
+@pytest.mark.parametrize("folds, chunk_size", [(None, 1000), (2, 1000), (4, 3)])
+def test_recall_with_exact_ties_uses_the_optimistic_rule(seed, folds, chunk_size):
   images, texts, ids = _recall_problem(seed, integer=True)
   sim = images @ texts.T
   # The integer data must really contain ties that involve a correct candidate.
   assert any(np.sum(sim[i] == sim[i, j]) > 1 for j, i in enumerate(ids)), "test data has no ties"
   ks = (1, 3, 5)
-  got = metrics.image_text_recall(images, texts, ids, ks=ks, folds=folds)
+  got = metrics.image_text_recall(images, texts, ids, ks=ks, folds=folds, chunk_size=chunk_size)
   _assert_recall_equal(got, _brute_recall(images, texts, ids, ks, folds))
 
 
@@ -151,6 +151,60 @@ def test_recall_is_independent_of_chunk_size_and_jits():
     functools.partial(metrics.image_text_recall, ks=(1, 5, 10), folds=3, chunk_size=16)
   )
   _assert_recall_equal(jitted(images, texts, ids), reference)
+
+
+def _folded_problem(seed, num_images, integer):
+  """A ragged problem (uneven folds, images without captions), captions in any order."""
+  images, texts, ids = _recall_problem(
+    seed, num_images=num_images, captions_per_image=2, integer=integer, ragged=True
+  )
+  return jnp.asarray(images), jnp.asarray(texts), jnp.asarray(ids, jnp.int32)
+
+
+# (folds of 24 images, chunk_size): one fold a group and one caption a block; several
+# blocks a group; several folds a group, the last group part padding; one group.
+_FOLDED_CASES = [(2, 1), (3, 5), (4, 7), (6, 9), (8, 16), (12, 5), (4, 1000), (24, 1000)]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("integer", [False, True])
+def test_folded_ranks_equal_the_dense_kernel(seed, integer, x64):
+  # The folded kernel forms only each fold's own similarities, in groups of folds and
+  # blocks of captions; the dense kernel forms them all and masks other folds out.
+  # Integer data holds exact ties, which both must break by the same rule.
+  from fedjax_mm.metrics import retrieval
+
+  images, texts, ids = _folded_problem(seed, 24, integer)
+  for folds, chunk_size in _FOLDED_CASES:
+    static = {"num_folds": folds, "chunk_size": chunk_size}
+    dense = jax.jit(functools.partial(retrieval._dense_ranks, **static))(images, texts, ids)
+    folded = jax.jit(functools.partial(retrieval._folded_ranks, **static))(images, texts, ids)
+    never = np.asarray(dense[0]) == np.iinfo(np.int32).max
+    assert never.any() and not never.all()
+    for name, got, want in zip(("i2t", "t2i"), folded, dense, strict=True):
+      np.testing.assert_array_equal(got, want, err_msg=f"{name} {folds=} {chunk_size=}")
+
+
+def test_folded_ranks_under_vmap_equal_each_problem_alone():
+  # As FedRGB's rows run them: one problem per client, stacked.
+  from fedjax_mm.metrics import retrieval
+
+  problems = [_folded_problem(seed, 24, integer=True) for seed in range(3)]
+  stacked = [jnp.stack(parts) for parts in zip(*problems, strict=True)]
+  kernel = functools.partial(retrieval.image_text_ranks, num_folds=4, chunk_size=5)
+  batched = jax.jit(jax.vmap(kernel))(*stacked)
+  for k, problem in enumerate(problems):
+    for got, want in zip(batched, kernel(*problem), strict=True):
+      np.testing.assert_array_equal(got[k], want)
+
+
+def test_recall_rejects_caption_ids_out_of_range():
+  images, texts, ids = _recall_problem(0, num_images=10)
+  for bad in (10, -1):
+    wrong = np.array(ids).copy()
+    wrong[3] = bad
+    with pytest.raises(ValueError, match=f"caption_image_ids must lie in \\[0, 10\\), got {bad}"):
+      metrics.image_text_recall(images, texts, wrong, folds=2)
 
 
 def test_recall_perfect_embeddings_and_keys():
