@@ -1,21 +1,26 @@
-"""Image-text Recall@K: the block kernel against one query at a time, same run.
+"""Image-text Recall@K: the library's kernels against their predecessors, same run.
 
   python -m experiments.benchmarks.recall [--pairs=2048,10240] [--dim=64] [--repeats=5]
 
 For ``n`` random pairs (one caption per image, ``--dim`` dimensions), times
-:func:`fedjax_mm.metrics.image_text_recall` (full set and ``--gallery`` folds) and
-``per query``: the same ranks computed as the metric computed them up to commit
-3a12777, each query's similarities one matrix-vector product under
-``jax.lax.map(..., batch_size=chunk_size)``. Both rank every query against every
-candidate in blocks of ``--chunk_size``, so their work is the same; what differs is
-the shape of the program (one ``[c, d] x [d, n]`` product per block, against a
-vmapped product per query and the reductions that follow it).
+:func:`fedjax_mm.metrics.retrieval.image_text_ranks`, the ranks behind
+:func:`fedjax_mm.metrics.image_text_recall`, over the full set and over ``--gallery``
+folds, against two former kernels computing the same ranks:
 
-The two take turns, one call each, ``--repeats`` times after an untimed call; the
-printed ratio is the median of the paired (same-turn) ratios (above 1: the block
-kernel is faster). Each row also prints how many queries' ranks differ between the
-two: they compute the same dot products in another order, so a float32 near-tie may
-fall the other way (a handful in 10,000).
+* ``per query``: as up to commit 3a12777, each query's similarities one
+  matrix-vector product under ``jax.lax.map(..., batch_size=chunk_size)``, against
+  every candidate, other folds masked out;
+* ``masked``: as up to commit 2b6d415 (``retrieval._dense_ranks``, still the full-set
+  kernel), one ``[c, d] x [d, n]`` product per block of ``--chunk_size`` queries,
+  against every candidate, other folds masked out. With folds the library now forms
+  each fold's own similarities only (``retrieval._folded_ranks``); over the full set
+  it runs this kernel, so that row times it once.
+
+The contenders take turns, one call each, ``--repeats`` times after an untimed call;
+each printed ratio is the median of the paired (same-turn) ratios (above 1: the
+library's kernel is faster). Each row also prints how many queries' ranks differ from
+the per-query kernel's: the same dot products summed in another order, so a float32
+near-tie may fall the other way (a handful in 10,000).
 """
 
 from __future__ import annotations
@@ -68,25 +73,30 @@ def _per_query_ranks(images, texts, ids, num_folds, chunk_size):
   return i2t, jax.lax.map(text_query, (texts, ids), batch_size=chunk_size)
 
 
-def _paired(first, second, args, repeats):
-  jax.block_until_ready((first(*args), second(*args)))
-  ratios, times = [], []
+def _in_turn(contenders, args, repeats):
+  """Median time of each contender and median paired ratio of each to the last."""
+  jax.block_until_ready([fn(*args) for fn in contenders])
+  times = []
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(first(*args))
-    t1 = time.perf_counter()
-    jax.block_until_ready(second(*args))
-    t2 = time.perf_counter()
-    ratios.append((t1 - t0) / (t2 - t1))
-    times.append((t1 - t0, t2 - t1))
-  return statistics.median(ratios), [statistics.median(t) for t in zip(*times, strict=True)]
+    turn = []
+    for fn in contenders:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      turn.append(time.perf_counter() - t0)
+    times.append(turn)
+  medians = [statistics.median(column) for column in zip(*times, strict=True)]
+  ratios = [statistics.median(turn[k] / turn[-1] for turn in times) for k in range(len(contenders))]
+  return medians, ratios
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   print(f"backend {jax.default_backend()}, d = {_DIM.value}, blocks of {_CHUNK.value} queries")
-  print(f"{'pairs':>7} {'folds':>6} | {'per query':>10} | {'block':>9} | ratio | ranks differing")
+  print(
+    f"{'pairs':>7} {'folds':>6} | {'per query':>10} | {'masked':>9} | {'library':>9} | "
+    "per query / library | masked / library | ranks differing"
+  )
   for n in (int(p) for p in _PAIRS.value):
     keys = jax.random.split(jax.random.key(0))
     images = jax.random.normal(keys[0], (n, _DIM.value))
@@ -97,16 +107,23 @@ def main(argv):
         print(f"{n:>7}: --gallery={_GALLERY.value} does not divide it; full set only")
         continue
       static = {"num_folds": folds, "chunk_size": _CHUNK.value}
-      old = jax.jit(functools.partial(_per_query_ranks, **static))
-      new = jax.jit(functools.partial(metrics.retrieval.image_text_ranks, **static))
-      ratio, (t_old, t_new) = _paired(old, new, (images, texts, ids), _REPEATS.value)
+      per_query = jax.jit(functools.partial(_per_query_ranks, **static))
+      masked = jax.jit(functools.partial(metrics.retrieval._dense_ranks, **static))
+      library = jax.jit(functools.partial(metrics.retrieval.image_text_ranks, **static))
+      # Over the full set the library runs the masked kernel itself: timed once.
+      contenders = [per_query, masked, library] if folds > 1 else [per_query, library]
+      times, ratios = _in_turn(contenders, (images, texts, ids), _REPEATS.value)
+      if folds == 1:
+        times, ratios = [times[0], None, times[1]], [ratios[0], None, ratios[1]]
       differ = sum(
         int(np.sum(np.asarray(a) != np.asarray(b)))
-        for a, b in zip(old(images, texts, ids), new(images, texts, ids), strict=True)
+        for a, b in zip(per_query(images, texts, ids), library(images, texts, ids), strict=True)
       )
+      shown = [f"{1e3 * t:>8.1f}ms" if t is not None else f"{'=':>10}" for t in times]
+      masked_ratio = f"{ratios[1]:>15.1f}x" if ratios[1] is not None else f"{'-':>16}"
       print(
-        f"{n:>7} {folds:>6} | {1e3 * t_old:>8.1f}ms | {1e3 * t_new:>7.1f}ms | "
-        f"{ratio:4.1f}x | {differ} of {2 * n}"
+        f"{n:>7} {folds:>6} | {shown[0]} | {shown[1]:>9} | {shown[2]:>9} | "
+        f"{ratios[0]:>18.1f}x | {masked_ratio} | {differ} of {2 * n}"
       )
 
 
