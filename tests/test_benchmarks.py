@@ -184,18 +184,15 @@ def test_a_bad_flag_value_is_absls_one_line_error(module, flag, message):
   assert "Flags parsing error" in done.stderr and message in done.stderr, done.stderr[-3000:]
 
 
-def test_recall_times_the_library_kernels_against_their_predecessors():
+def test_recall_times_the_library_kernel_against_its_predecessors():
   out = _run("recall", "--pairs=96,100", "--dim=8", "--gallery=8", "--chunk_size=16", "--repeats=1")
   t, x = r"[\d.]+ms", r"[\d.]+x"
   rows = re.findall(
-    rf"^\s*(\d+)\s+(\d+) \|\s+{t} \|\s+(=|{t}) \|\s+{t} \|\s+{x} \|\s+(-|{x}) \| (\d+) of (\d+)$",
+    rf"^\s*(\d+)\s+(\d+) \|\s+{t} \|\s+{t} \|\s+{t} \|\s+{x} \|\s+{x} \| (\d+) of (\d+)$",
     out,
     re.M,
   )
   assert [(n, folds) for n, folds, *_ in rows] == [("96", "1"), ("96", "12"), ("100", "1")], out
-  # The full set runs the masked kernel itself, timed once; folds time all three.
-  placeholders = [(masked == "=", ratio == "-") for _, _, masked, ratio, _, _ in rows]
-  assert placeholders == [(True, True), (False, False), (True, True)], out
   assert "100: --gallery=8 does not divide it" in out
   for *_, differ, queries in rows:
     # Same dot products in another order: at most a near-tie or two may fall the other way.

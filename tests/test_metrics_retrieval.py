@@ -161,41 +161,59 @@ def _folded_problem(seed, num_images, integer):
   return jnp.asarray(images), jnp.asarray(texts), jnp.asarray(ids, jnp.int32)
 
 
-# (folds of 24 images, chunk_size): one fold a group and one caption a block; several
-# blocks a group; several folds a group, the last group part padding; one group.
-_FOLDED_CASES = [(2, 1), (3, 5), (4, 7), (6, 9), (8, 16), (12, 5), (4, 1000), (24, 1000)]
+def _brute_rank_arrays(images, texts, ids, folds):
+  """Each image's and caption's rank within its fold, by the literal sort of ``_brute_ranks``."""
+  images, texts, ids = np.asarray(images), np.asarray(texts), np.asarray(ids)
+  size = len(images) // folds
+  i2t = np.full(len(images), np.iinfo(np.int32).max)
+  t2i = np.zeros(len(texts), int)
+  for f in range(folds):
+    mine = np.arange(f * size, (f + 1) * size)
+    captions = np.flatnonzero(ids // size == f)
+    sim = images[mine] @ texts[captions].T
+    correct = ids[captions][None, :] == mine[:, None]
+    for i, rank in zip(mine, _brute_ranks(sim, correct), strict=True):
+      i2t[i] = i2t[i] if rank is None else rank
+    t2i[captions] = _brute_ranks(sim.T, correct.T)
+  return i2t, t2i
+
+
+# (folds of 24 images, chunk_size): the full set in one block and in blocks of one to
+# nine captions; one fold a group and one caption a block; several blocks a group;
+# several folds a group, the last group part padding; one group.
+_RANK_CASES = [(1, 1000), (1, 1), (1, 9), (2, 1), (3, 5), (4, 7), (6, 9), (8, 16), (12, 5)]
+_RANK_CASES += [(4, 1000), (24, 1000)]
 
 
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("integer", [False, True])
-def test_folded_ranks_equal_the_dense_kernel(seed, integer, x64):
-  # The folded kernel forms only each fold's own similarities, in groups of folds and
-  # blocks of captions; the dense kernel forms them all and masks other folds out.
-  # Integer data holds exact ties, which both must break by the same rule.
+def test_ranks_equal_a_literal_sort_in_every_layout_of_groups_and_blocks(seed, integer, x64):
+  # The kernel forms each fold's own similarities only, captions sorted by image in
+  # blocks against groups of whole folds. Integer data holds exact ties.
   from fedjax_mm.metrics import retrieval
 
   images, texts, ids = _folded_problem(seed, 24, integer)
-  for folds, chunk_size in _FOLDED_CASES:
+  for folds, chunk_size in _RANK_CASES:
     static = {"num_folds": folds, "chunk_size": chunk_size}
-    dense = jax.jit(functools.partial(retrieval._dense_ranks, **static))(images, texts, ids)
-    folded = jax.jit(functools.partial(retrieval._folded_ranks, **static))(images, texts, ids)
-    never = np.asarray(dense[0]) == np.iinfo(np.int32).max
-    assert never.any() and not never.all()
-    for name, got, want in zip(("i2t", "t2i"), folded, dense, strict=True):
-      np.testing.assert_array_equal(got, want, err_msg=f"{name} {folds=} {chunk_size=}")
+    got = jax.jit(functools.partial(retrieval.image_text_ranks, **static))(images, texts, ids)
+    want = _brute_rank_arrays(images, texts, ids, folds)
+    assert (want[0] == np.iinfo(np.int32).max).any()  # images without a caption
+    for name, g, w in zip(("i2t", "t2i"), got, want, strict=True):
+      np.testing.assert_array_equal(g, w, err_msg=f"{name} {folds=} {chunk_size=}")
 
 
-def test_folded_ranks_under_vmap_equal_each_problem_alone():
+def test_ranks_under_vmap_equal_each_problem_alone():
   # As FedRGB's rows run them: one problem per client, stacked.
   from fedjax_mm.metrics import retrieval
 
   problems = [_folded_problem(seed, 24, integer=True) for seed in range(3)]
   stacked = [jnp.stack(parts) for parts in zip(*problems, strict=True)]
-  kernel = functools.partial(retrieval.image_text_ranks, num_folds=4, chunk_size=5)
-  batched = jax.jit(jax.vmap(kernel))(*stacked)
-  for k, problem in enumerate(problems):
-    for got, want in zip(batched, kernel(*problem), strict=True):
-      np.testing.assert_array_equal(got[k], want)
+  for folds in (1, 4):
+    kernel = functools.partial(retrieval.image_text_ranks, num_folds=folds, chunk_size=5)
+    batched = jax.jit(jax.vmap(kernel))(*stacked)
+    for k, problem in enumerate(problems):
+      for got, want in zip(batched, kernel(*problem), strict=True):
+        np.testing.assert_array_equal(got[k], want)
 
 
 def test_recall_rejects_caption_ids_out_of_range():

@@ -1,25 +1,26 @@
-"""Image-text Recall@K: the library's kernels against their predecessors, same run.
+"""Image-text Recall@K: the library's kernel against its two predecessors, same run.
 
   python -m experiments.benchmarks.recall [--pairs=2048,10240] [--dim=64] [--repeats=5]
 
 For ``n`` random pairs (one caption per image, ``--dim`` dimensions), times
 :func:`fedjax_mm.metrics.retrieval.image_text_ranks`, the ranks behind
 :func:`fedjax_mm.metrics.image_text_recall`, over the full set and over ``--gallery``
-folds, against two former kernels computing the same ranks:
+folds, against two former kernels that compute the same ranks:
 
-* ``per query``: as up to commit 3a12777, each query's similarities one
+* ``per query``: the kernel up to commit 3a12777, each query's similarities one
   matrix-vector product under ``jax.lax.map(..., batch_size=chunk_size)``, against
   every candidate, other folds masked out;
-* ``masked``: as up to commit 2b6d415 (``retrieval._dense_ranks``, still the full-set
-  kernel), one ``[c, d] x [d, n]`` product per block of ``--chunk_size`` queries,
-  against every candidate, other folds masked out. With folds the library now forms
-  each fold's own similarities only (``retrieval._folded_ranks``); over the full set
-  it runs this kernel, so that row times it once.
+* ``masked``: the kernel up to commit be7ff60 for the full set (and up to 2b6d415 for
+  folds), one ``[c, d] x [d, n]`` product per block of ``--chunk_size`` queries of
+  either direction, against every candidate, other folds masked out.
 
-The contenders take turns, one call each, ``--repeats`` times after an untimed call;
-each printed ratio is the median of the paired (same-turn) ratios (above 1: the
-library's kernel is faster). Each row also prints how many queries' ranks differ from
-the per-query kernel's: the same dot products summed in another order, so a float32
+The library now sorts the captions by image and forms, block by block, only their
+similarities to their own fold's images (the full set is one fold).
+
+The three take turns, one call each, ``--repeats`` times after an untimed call; each
+printed ratio is the median of the paired (same-turn) ratios (above 1: the library's
+kernel is faster). Each row also prints how many queries' ranks differ from the
+per-query kernel's: the same dot products summed in another order, so a float32
 near-tie may fall the other way (a handful in 10,000).
 """
 
@@ -73,6 +74,50 @@ def _per_query_ranks(images, texts, ids, num_folds, chunk_size):
   return i2t, jax.lax.map(text_query, (texts, ids), batch_size=chunk_size)
 
 
+def _map_blocks(fn, xs, chunk_size):
+  """``fn`` over blocks of at most ``chunk_size`` rows of ``xs`` (equal, the last padded)."""
+  m = jax.tree.leaves(xs)[0].shape[0]
+  num_blocks = max(1, -(-m // chunk_size))
+  c = -(-m // num_blocks)
+
+  def blocks(x):
+    x = jnp.pad(x, [(0, num_blocks * c - m)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(num_blocks, c, *x.shape[1:])
+
+  return jax.lax.map(fn, jax.tree.map(blocks, xs)).reshape(num_blocks * c)[:m]
+
+
+def _masked_ranks(images, texts, ids, num_folds, chunk_size):
+  """i2t and t2i ranks, a block of queries against every candidate (the former kernel)."""
+  fold_size = images.shape[0] // num_folds
+  image_fold = jnp.arange(images.shape[0], dtype=jnp.int32) // fold_size
+  caption_fold = ids // fold_size
+
+  def scores(queries, candidates):
+    return jnp.matmul(queries, candidates.T, precision=jax.lax.Precision.HIGHEST)
+
+  def image_block(block):
+    embedding, index = block
+    s = scores(embedding, texts)
+    correct = ids[None, :] == index[:, None]
+    best = jnp.max(jnp.where(correct, s, -jnp.inf), axis=1, keepdims=True)
+    same_fold = caption_fold[None, :] == (index // fold_size)[:, None]
+    rank = jnp.sum((s > best) & same_fold, axis=1, dtype=jnp.int32)
+    return jnp.where(jnp.any(correct, axis=1), rank, jnp.iinfo(jnp.int32).max)
+
+  def text_block(block):
+    embedding, index = block
+    s = scores(embedding, images)
+    own = jnp.take_along_axis(s, index[:, None], axis=1)
+    same_fold = image_fold[None, :] == (index // fold_size)[:, None]
+    return jnp.sum((s > own) & same_fold, axis=1, dtype=jnp.int32)
+
+  queries = (images, jnp.arange(images.shape[0], dtype=jnp.int32))
+  return _map_blocks(image_block, queries, chunk_size), _map_blocks(
+    text_block, (texts, ids), chunk_size
+  )
+
+
 def _in_turn(contenders, args, repeats):
   """Median time of each contender and median paired ratio of each to the last."""
   jax.block_until_ready([fn(*args) for fn in contenders])
@@ -108,22 +153,17 @@ def main(argv):
         continue
       static = {"num_folds": folds, "chunk_size": _CHUNK.value}
       per_query = jax.jit(functools.partial(_per_query_ranks, **static))
-      masked = jax.jit(functools.partial(metrics.retrieval._dense_ranks, **static))
+      masked = jax.jit(functools.partial(_masked_ranks, **static))
       library = jax.jit(functools.partial(metrics.retrieval.image_text_ranks, **static))
-      # Over the full set the library runs the masked kernel itself: timed once.
-      contenders = [per_query, masked, library] if folds > 1 else [per_query, library]
-      times, ratios = _in_turn(contenders, (images, texts, ids), _REPEATS.value)
-      if folds == 1:
-        times, ratios = [times[0], None, times[1]], [ratios[0], None, ratios[1]]
+      times, ratios = _in_turn([per_query, masked, library], (images, texts, ids), _REPEATS.value)
       differ = sum(
         int(np.sum(np.asarray(a) != np.asarray(b)))
         for a, b in zip(per_query(images, texts, ids), library(images, texts, ids), strict=True)
       )
-      shown = [f"{1e3 * t:>8.1f}ms" if t is not None else f"{'=':>10}" for t in times]
-      masked_ratio = f"{ratios[1]:>15.1f}x" if ratios[1] is not None else f"{'-':>16}"
       print(
-        f"{n:>7} {folds:>6} | {shown[0]} | {shown[1]:>9} | {shown[2]:>9} | "
-        f"{ratios[0]:>18.1f}x | {masked_ratio} | {differ} of {2 * n}"
+        f"{n:>7} {folds:>6} | {1e3 * times[0]:>8.1f}ms | {1e3 * times[1]:>7.1f}ms | "
+        f"{1e3 * times[2]:>7.1f}ms | {ratios[0]:>18.1f}x | {ratios[1]:>15.1f}x | "
+        f"{differ} of {2 * n}"
       )
 
 

@@ -11,12 +11,11 @@ Two protocols are covered:
   Wikipedia): :func:`map_at_n` and :func:`ndcg_at_n` rank a database by cosine
   similarity and call an item relevant when it shares a label with the query.
 
-Queries are processed in blocks of at most ``chunk_size`` with ``jax.lax.map``, so at
-most about ``chunk_size * N`` similarities exist at once (``N`` = number of
-candidates), e.g. 1000 x 25000 floats (100 MB) for MS-COCO 5K captions. With folds,
-only each fold's own similarities are formed: Recall@K over 1,600 folds of 32 of
-51,200 pairs took 0.39 s on a 2-core CPU, where masking the other folds out of every
-block took 9.0 s (``experiments/benchmarks/recall.py``).
+Queries (for Recall@K, the captions of both directions) are processed in blocks of at
+most ``chunk_size`` with ``jax.lax``'s loops, so at most about ``chunk_size * N``
+similarities exist at once (``N`` = number of candidates), e.g. 1000 x 5000 floats
+(20 MB) for MS-COCO 5K. With folds, only each fold's own similarities are formed
+(:func:`image_text_ranks`).
 Similarities are computed at ``Precision.HIGHEST`` so that accelerators'
 reduced-precision matmuls cannot reorder near ties. Everything imports only
 ``jax``. The public functions validate their arguments in Python and call a
@@ -58,25 +57,6 @@ def _scores(candidates: Array, query: Array) -> Array:
 def _block_scores(queries: Array, candidates: Array) -> Array:
   """``[c, N]`` dot products of ``[c, d]`` queries with ``[N, d]`` candidates."""
   return jnp.matmul(queries, candidates.T, precision=jax.lax.Precision.HIGHEST)
-
-
-def _map_blocks(fn, xs, chunk_size: int) -> Array:
-  """``fn`` over consecutive blocks of at most ``chunk_size`` rows of ``xs``, concatenated.
-
-  The rows are cut into ``ceil(m / chunk_size)`` blocks of equal size ``c``, the last
-  padded with zero rows whose results are dropped (fewer than one per block), so one
-  compiled ``fn`` serves every block and ``fn`` sees whole ``[c, ...]`` arrays.
-  """
-  m = jax.tree.leaves(xs)[0].shape[0]
-  num_blocks = max(1, -(-m // chunk_size))
-  c = -(-m // num_blocks)
-  pad = num_blocks * c - m
-
-  def blocks(x):
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(num_blocks, c, *x.shape[1:])
-
-  return jax.lax.map(fn, jax.tree.map(blocks, xs)).reshape(num_blocks * c)[:m]
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -153,10 +133,10 @@ def image_text_recall(
     ks: keyword-only cut-offs ``K`` (static).
     folds: keyword-only number of consecutive image folds to average over
       (static); must divide ``Ni``. ``None`` evaluates the full set.
-    chunk_size: keyword-only number of queries whose similarities are formed
-      at once (static); bounds memory at about ``chunk_size * max(Ni, Nt)``. With
-      folds, the images are also taken in groups of whole folds of at most
-      ``chunk_size`` images (one fold if a fold is larger).
+    chunk_size: keyword-only number of captions whose similarities are formed
+      at once (static); bounds memory at about ``chunk_size * Ni``. With folds, the
+      images are also taken in groups of whole folds of at most ``chunk_size``
+      images (one fold if a fold is larger).
 
   Returns:
     Dict with keys ``i2t_R@K`` and ``t2i_R@K`` for each ``K`` in ``ks``, each
@@ -198,16 +178,12 @@ def _image_text_recall(
 ) -> tuple[Array, Array]:
   """``[len(ks)]`` i2t and t2i recalls (percentages) of validated arrays."""
   i2t_rank, t2i_rank = image_text_ranks(images, texts, ids, num_folds, chunk_size)
-  _, image_fold, caption_fold = _folds(images.shape[0], ids, num_folds)
+  fold_size = images.shape[0] // num_folds
+  image_fold = jnp.arange(images.shape[0], dtype=jnp.int32) // fold_size
+  caption_fold = ids // fold_size
   i2t = jnp.stack([_fold_mean(i2t_rank < k, image_fold, num_folds) for k in ks])
   t2i = jnp.stack([_fold_mean(t2i_rank < k, caption_fold, num_folds) for k in ks])
   return 100 * i2t, 100 * t2i
-
-
-def _folds(num_images: int, ids: Array, num_folds: int) -> tuple[int, Array, Array]:
-  """Images per fold, and the fold of each image and of each caption (its image's)."""
-  fold_size = num_images // num_folds
-  return fold_size, jnp.arange(num_images, dtype=jnp.int32) // fold_size, ids // fold_size
 
 
 def image_text_ranks(
@@ -217,77 +193,33 @@ def image_text_ranks(
 
   Traceable, and checks nothing: the arrays are as :func:`image_text_recall` has
   validated them. An image without a caption gets the largest int32 (never found).
-  The full set (``num_folds == 1``) ranks each query against every candidate
-  (:func:`_dense_ranks`); folds compare each caption with its own fold's images only
-  (:func:`_folded_ranks`).
-  """
-  if num_folds == 1:
-    return _dense_ranks(images, texts, ids, num_folds, chunk_size)
-  return _folded_ranks(images, texts, ids, num_folds, chunk_size)
 
+  Only each fold's own similarities are formed (the full set is one fold). The images
+  are cut into ``G`` groups of ``W`` consecutive images: whole folds, as many as fit in
+  ``chunk_size`` images, or one fold when a fold is larger. The captions, sorted by
+  image, are cut into blocks of at most ``c`` captions of one group each, and every
+  block is one ``[c, d] x [d, W]`` product with its group's images: about ``Nt * W``
+  similarities, where comparing every query with every candidate and masking the other
+  folds out forms ``Nt * Ni`` (1/G of the work; FedRGB's gallery of 32 at 100,000 pairs
+  has ``W = 992``, ``G = 101``). Narrower groups would waste less: on a 2-core CPU at
+  those 100,000 pairs, ``chunk_size = 32`` (one fold a group) took 58 ms against the
+  default's 420 ms; the default keeps the products large, as an accelerator needs them.
 
-def _dense_ranks(
-  images: Array, texts: Array, ids: Array, num_folds: int, chunk_size: int
-) -> tuple[Array, Array]:
-  """The ranks from every query against every candidate, other folds masked out.
-
-  ``O(Ni * Nt)`` similarities whatever ``num_folds`` is; :func:`image_text_ranks` uses it
-  for the full set, and the tests and ``experiments/benchmarks/recall.py`` hold the
-  folded kernel against it.
-  """
-  num_images = images.shape[0]
-  fold_size, image_fold, caption_fold = _folds(num_images, ids, num_folds)
-
-  # A block of queries against every candidate, one matrix product per block: a block's
-  # ranks read its own row of similarities, so each query's comparisons (its correct
-  # candidates included) are between values of one product. Run one query at a time
-  # under ``lax.map``'s vmap, the same ranks took 5.5-7.7x as long on a 2-core CPU at
-  # 10,240 pairs (d = 64 and 8; ``experiments/benchmarks/recall.py``).
-  def image_block(block):
-    embedding, index = block  # [c, d], [c]
-    s = _block_scores(embedding, texts)  # [c, Nt]
-    correct = ids[None, :] == index[:, None]
-    best = jnp.max(jnp.where(correct, s, -jnp.inf), axis=1, keepdims=True)
-    same_fold = caption_fold[None, :] == (index // fold_size)[:, None]
-    rank = jnp.sum((s > best) & same_fold, axis=1, dtype=jnp.int32)
-    return jnp.where(jnp.any(correct, axis=1), rank, _NEVER)
-
-  def text_block(block):
-    embedding, index = block  # [c, d], [c]
-    s = _block_scores(embedding, images)  # [c, Ni]
-    own = jnp.take_along_axis(s, index[:, None], axis=1)
-    same_fold = image_fold[None, :] == (index // fold_size)[:, None]
-    return jnp.sum((s > own) & same_fold, axis=1, dtype=jnp.int32)
-
-  i2t_rank = _map_blocks(image_block, (images, jnp.arange(num_images, dtype=jnp.int32)), chunk_size)
-  t2i_rank = _map_blocks(text_block, (texts, ids), chunk_size)
-  return i2t_rank, t2i_rank
-
-
-def _folded_ranks(
-  images: Array, texts: Array, ids: Array, num_folds: int, chunk_size: int
-) -> tuple[Array, Array]:
-  """The ranks within folds, from the similarities of each fold's own pairs only.
-
-  The images are cut into ``G`` groups of ``W`` consecutive images: whole folds, as many
-  as fit in ``chunk_size`` images (one fold when a fold is larger). The captions, sorted
-  by image, are cut into blocks of at most ``c`` captions of one group each, and every
-  block is one ``[c, d] x [d, W]`` product with its group's images. That is about
-  ``Nt * W`` similarities where :func:`_dense_ranks` forms ``Nt * Ni``: 1/G of the work
-  (the FedRGB gallery of 32 pairs at 100,000 pairs: ``W = 992``, ``G = 101``). Narrower
-  groups waste less: on a 2-core CPU at those 100,000 pairs, ``chunk_size = 32`` (one
-  fold a group) took 58 ms and the default 420 ms; the full-set ranks that FedRGB
-  computes beside them took 9.6 s at 51,200 pairs and grow with the square. The default
-  keeps the products large, as an accelerator needs them.
-
-  t2i reads each caption's row of its block, as :func:`_dense_ranks` does. i2t needs
-  each image's best correct caption before it can count the captions above it, and
-  those may lie in several blocks: a first pass over the blocks takes every caption's
-  similarity to its own image (the t2i pass), their maximum per image is the best, and
-  a second pass recomputes each block's product, the same operation on the same
-  operands, and counts per image column the captions of its fold above that best.
-  A block count that fits any distribution of captions over groups is static
+  t2i reads each caption's row of its block, so a caption's comparisons, its own
+  image's included, are between values of one product. i2t needs each image's best
+  correct caption before it can count the captions above it, and those may lie in
+  several blocks: a first pass over the blocks takes every caption's similarity to its
+  own image (the t2i pass), their maximum per image is the best, and a second pass
+  recomputes each block's product, the same operation on the same operands, and counts
+  per image column the captions of its fold above that best, summed in place over the
+  blocks. A block count that fits any distribution of captions over groups is static
   (``ceil(Nt / c) + G``); the blocks a run does not need skip their product.
+
+  Until 2026-11-30 each block of ``chunk_size`` queries of either direction was ranked
+  against every candidate, other folds masked out. At 51,200 pairs (d = 64) on a 2-core
+  CPU, this kernel took 0.26 s against 10.5 s in 1,600 folds of 32, and 7.1 s against
+  10.6 s over the full set (``experiments/benchmarks/recall.py``, which keeps the old
+  kernel, times the two in turn).
   """
   num_images, dim = images.shape
   num_texts = texts.shape[0]
@@ -295,11 +227,11 @@ def _folded_ranks(
   folds_per_group = max(1, min(num_folds, chunk_size // fold_size))
   width = folds_per_group * fold_size  # W images per group
   num_groups = -(-num_folds // folds_per_group)
-  group_images = jnp.pad(images, ((0, num_groups * width - num_images), (0, 0)))
+  padded = num_groups * width
+  group_images = jnp.pad(images, ((0, padded - num_images), (0, 0)))
   group_images = group_images.reshape(num_groups, width, dim)
   # Padded images have fold >= num_folds, which no caption has: never counted.
-  image_fold = jnp.arange(num_groups * width, dtype=jnp.int32).reshape(num_groups, width)
-  image_fold = image_fold // fold_size
+  image_fold = jnp.arange(padded, dtype=jnp.int32).reshape(num_groups, width) // fold_size
 
   # Captions sorted by image; those of group g are positions [start[g], start[g] + n[g]).
   order = jnp.argsort(ids, stable=True)
@@ -316,8 +248,7 @@ def _folded_ranks(
   group = jnp.minimum(group, num_groups - 1)
   first = start[group] + (block - (jnp.cumsum(blocks) - blocks)[group]) * rows
   end = start[group] + per_group[group]
-
-  s_dtype = jnp.result_type(images.dtype, texts.dtype)
+  dtype = jnp.result_type(images.dtype, texts.dtype)
 
   def scores(g, first):
     """A block's sorted positions, image ids, ``[c, W]`` products and same-fold mask."""
@@ -341,23 +272,23 @@ def _folded_ranks(
     skip = (
       jnp.full(rows, num_texts, jnp.int32),
       jnp.zeros(rows, jnp.int32),
-      jnp.zeros(rows, s_dtype),
+      jnp.zeros(rows, dtype),
     )
     return jax.lax.cond(used, compute, lambda: skip)
 
   position, rank, own = jax.lax.map(text_block, (group, first, end, used))
   position = position.reshape(-1)
   t2i_sorted = jnp.zeros(num_texts, jnp.int32).at[position].set(rank.reshape(-1), mode="drop")
-  own_sorted = jnp.zeros(num_texts, s_dtype).at[position].set(own.reshape(-1), mode="drop")
+  own_sorted = jnp.zeros(num_texts, dtype).at[position].set(own.reshape(-1), mode="drop")
   t2i_rank = jnp.zeros(num_texts, jnp.int32).at[order].set(t2i_sorted)
   best = jax.ops.segment_max(own_sorted, sorted_ids[:num_texts], num_segments=num_images)
-  best = jnp.pad(best, (0, num_groups * width - num_images), constant_values=jnp.inf)
+  best = jnp.pad(best, (0, padded - num_images), constant_values=jnp.inf)
 
-  def image_block(block):
-    g, first, _, used = block
+  def image_block(b, counts):
+    g = group[b]
 
-    def compute():
-      _, index, s, same_fold = scores(g, first)
+    def count():
+      _, index, s, same_fold = scores(g, first[b])
       image = g * width + jnp.arange(width)
       # Rows past the group's captions (the next group's, or padding) are of no fold of
       # this group. A correct caption is never above the best of them; leaving them out
@@ -365,15 +296,16 @@ def _folded_ranks(
       # first pass's.
       counted = same_fold & (index[:, None] != image[None, :])
       above = s > jax.lax.dynamic_slice_in_dim(best, g * width, width)
-      return jnp.sum(above & counted, axis=0, dtype=jnp.int32)
+      total = jax.lax.dynamic_slice_in_dim(counts, g * width, width)
+      total += jnp.sum(above & counted, axis=0, dtype=jnp.int32)
+      return jax.lax.dynamic_update_slice_in_dim(counts, total, g * width, 0)
 
-    return jax.lax.cond(used, compute, lambda: jnp.zeros(width, jnp.int32))
+    return jax.lax.cond(used[b], count, lambda: counts)
 
-  counts = jax.lax.map(image_block, (group, first, end, used))  # [blocks, W]
-  column = (group * width)[:, None] + jnp.arange(width)[None, :]
-  counts = jnp.zeros(num_groups * width, jnp.int32).at[column].add(counts)[:num_images]
+  # Summed in place: a [blocks, W] stack of the counts would hold Nt / c + G rows of W.
+  counts = jax.lax.fori_loop(0, num_blocks, image_block, jnp.zeros(padded, jnp.int32))
   has_caption = jnp.bincount(ids, length=num_images) > 0
-  return jnp.where(has_caption, counts, _NEVER), t2i_rank
+  return jnp.where(has_caption, counts[:num_images], _NEVER), t2i_rank
 
 
 def _normalize(x: Array) -> Array:
