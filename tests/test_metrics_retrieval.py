@@ -39,31 +39,34 @@ def _brute_ranks(sim, correct):
   return ranks
 
 
-def _brute_recall_one_fold(images, texts, ids, ks):
-  sim = images @ texts.T
-  i2t = _brute_ranks(sim, [[ids[j] == i for j in range(len(texts))] for i in range(len(images))])
-  t2i = _brute_ranks(sim.T, [[ids[j] == i for i in range(len(images))] for j in range(len(texts))])
-  out = {}
-  for k in ks:
-    out[f"i2t_R@{k}"] = 100 * np.mean([r is not None and r < k for r in i2t])
-  for k in ks:
-    out[f"t2i_R@{k}"] = 100 * np.mean([r < k for r in t2i])
-  return out
+def _brute_rank_arrays(images, texts, ids, folds):
+  """Each image's and caption's rank within its fold, by the literal sort of ``_brute_ranks``."""
+  images, texts, ids = np.asarray(images), np.asarray(texts), np.asarray(ids)
+  size = len(images) // folds
+  i2t = np.full(len(images), np.iinfo(np.int32).max)
+  t2i = np.zeros(len(texts), int)
+  for f in range(folds):
+    mine = np.arange(f * size, (f + 1) * size)
+    captions = np.flatnonzero(ids // size == f)
+    sim = images[mine] @ texts[captions].T
+    correct = ids[captions][None, :] == mine[:, None]
+    for i, rank in zip(mine, _brute_ranks(sim, correct), strict=True):
+      i2t[i] = i2t[i] if rank is None else rank
+    t2i[captions] = _brute_ranks(sim.T, correct.T)
+  return i2t, t2i
 
 
 def _brute_recall(images, texts, ids, ks, folds):
-  """Literal 1K protocol: slice each fold out, evaluate it alone, average."""
+  """Literal 1K protocol: each fold's Recall@K from its own ranks, averaged over folds."""
   folds = folds or 1
+  i2t, t2i = _brute_rank_arrays(images, texts, ids, folds)
   size = len(images) // folds
-  per_fold = []
-  for f in range(folds):
-    captions = [j for j in range(len(texts)) if f * size <= ids[j] < (f + 1) * size]
-    per_fold.append(
-      _brute_recall_one_fold(
-        images[f * size : (f + 1) * size], texts[captions], ids[captions] - f * size, ks
-      )
-    )
-  return {key: np.mean([r[key] for r in per_fold]) for key in per_fold[0]}
+  image_fold, text_fold = np.arange(len(images)) // size, np.asarray(ids) // size
+  out = {}
+  for name, ranks, fold in (("i2t", i2t, image_fold), ("t2i", t2i, text_fold)):
+    for k in ks:
+      out[f"{name}_R@{k}"] = np.mean([100 * np.mean(ranks[fold == f] < k) for f in range(folds)])
+  return out
 
 
 def _recall_problem(seed, num_images=20, captions_per_image=3, dim=6, integer=False, ragged=False):
@@ -159,23 +162,6 @@ def _folded_problem(seed, num_images, integer):
     seed, num_images=num_images, captions_per_image=2, integer=integer, ragged=True
   )
   return jnp.asarray(images), jnp.asarray(texts), jnp.asarray(ids, jnp.int32)
-
-
-def _brute_rank_arrays(images, texts, ids, folds):
-  """Each image's and caption's rank within its fold, by the literal sort of ``_brute_ranks``."""
-  images, texts, ids = np.asarray(images), np.asarray(texts), np.asarray(ids)
-  size = len(images) // folds
-  i2t = np.full(len(images), np.iinfo(np.int32).max)
-  t2i = np.zeros(len(texts), int)
-  for f in range(folds):
-    mine = np.arange(f * size, (f + 1) * size)
-    captions = np.flatnonzero(ids // size == f)
-    sim = images[mine] @ texts[captions].T
-    correct = ids[captions][None, :] == mine[:, None]
-    for i, rank in zip(mine, _brute_ranks(sim, correct), strict=True):
-      i2t[i] = i2t[i] if rank is None else rank
-    t2i[captions] = _brute_ranks(sim.T, correct.T)
-  return i2t, t2i
 
 
 # (folds of 24 images, chunk_size): the full set in one block and in blocks of one to

@@ -243,29 +243,31 @@ def image_text_ranks(
   blocks = -(-per_group // rows)
   num_blocks = -(-num_texts // rows) + num_groups
   block = jnp.arange(num_blocks)
-  group = jnp.searchsorted(jnp.cumsum(blocks), block, side="right")
+  # Group g's blocks are [blocks_end[g] - blocks[g], blocks_end[g]).
+  blocks_end = jnp.cumsum(blocks)
+  group = jnp.searchsorted(blocks_end, block, side="right")
   used = group < num_groups
   group = jnp.minimum(group, num_groups - 1)
-  first = start[group] + (block - (jnp.cumsum(blocks) - blocks)[group]) * rows
+  first = start[group] + (block - (blocks_end - blocks)[group]) * rows
   end = start[group] + per_group[group]
   dtype = jnp.result_type(images.dtype, texts.dtype)
 
   def scores(g, first):
-    """A block's sorted positions, image ids, ``[c, W]`` products and same-fold mask."""
-    position = first + jnp.arange(rows)
+    """A block's image ids, ``[c, W]`` products and same-fold mask."""
     index = jax.lax.dynamic_slice_in_dim(sorted_ids, first, rows)
     s = _block_scores(jax.lax.dynamic_slice_in_dim(sorted_texts, first, rows), group_images[g])
     same_fold = (index // fold_size)[:, None] == image_fold[g][None, :]
-    return position, index, s, same_fold
+    return index, s, same_fold
 
   def text_block(block):
     g, first, end, used = block
 
     def compute():
-      position, index, s, same_fold = scores(g, first)
+      index, s, same_fold = scores(g, first)
       own = jnp.take_along_axis(s, jnp.clip(index - g * width, 0, width - 1)[:, None], axis=1)
       rank = jnp.sum((s > own) & same_fold, axis=1, dtype=jnp.int32)
       # Positions past the group's captions belong to another block: dropped.
+      position = first + jnp.arange(rows)
       position = jnp.where(position < end, position, num_texts).astype(jnp.int32)
       return position, rank, own[:, 0]
 
@@ -288,7 +290,7 @@ def image_text_ranks(
     g = group[b]
 
     def count():
-      _, index, s, same_fold = scores(g, first[b])
+      index, s, same_fold = scores(g, first[b])
       image = g * width + jnp.arange(width)
       # Rows past the group's captions (the next group's, or padding) are of no fold of
       # this group. A correct caption is never above the best of them; leaving them out
