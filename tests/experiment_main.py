@@ -4,6 +4,11 @@ The child gets the repository on its path, no fake-device XLA flags (the
 experiments run on the real CPU device) but the tests' fast-compile flag (see
 ``conftest.py``), and a compilation cache shared by the test session, so runs of
 the same config in one session compile once.
+
+Every run is also a check that no compiled program of the experiment holds its data or
+weights as constants: JAX warns when a lowering captures more than
+``JAX_CAPTURED_CONSTANTS_WARN_BYTES`` of closed-over arrays, and :func:`run` fails on
+that warning. The smoke models are tiny, so the threshold is low (a few KB).
 """
 
 import os
@@ -14,6 +19,10 @@ import sys
 import conftest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: Closed-over arrays one lowering may capture (bytes) before JAX warns, and its warning.
+CAPTURED_BYTES = 2048
+CAPTURED = "constants were captured during lowering"
 
 
 def start(
@@ -27,6 +36,8 @@ def start(
   env, extra = dict(os.environ), env
   env["XLA_FLAGS"] = conftest.FAST_COMPILE
   env["PYTHONPATH"] = str(ROOT)
+  env["JAX_CAPTURED_CONSTANTS_WARN_BYTES"] = str(CAPTURED_BYTES)
+  env["JAX_CAPTURED_CONSTANTS_REPORT_FRAMES"] = "6"  # Where each one was captured.
   env.update(extra or {})
   cmd = [
     sys.executable,
@@ -51,7 +62,11 @@ def run(
   env=None,
   module: str = "experiments.main",
 ):
-  """Runs the command to completion: ``(exit code, stdout, stderr)``."""
+  """Runs the command to completion: ``(exit code, stdout, stderr)``.
+
+  Raises AssertionError if a lowering captured more than ``CAPTURED_BYTES`` of constants.
+  """
   proc = start(config, workdir, *overrides, cache_dir=cache_dir, env=env, module=module)
   out, err = proc.communicate(timeout=timeout)
+  assert CAPTURED not in err, "a compiled program closes over arrays:\n" + err[-6000:]
   return proc.returncode, out, err

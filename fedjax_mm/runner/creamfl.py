@@ -971,13 +971,15 @@ def experiment(config) -> loop.Experiment:
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
   # Traced with the mesh in context: a compiled loop over clients runs per device. The
   # clients' data are an argument: no jitted function may close over an array split over
-  # several processes (job_mesh).
-  fed_step = core.jit_round(lambda s, d, v: fed.round(s, d, public, v))
-  local_step = core.jit_round(lambda s: local.round(s, public))
+  # several processes (job_mesh). So is the public set (replicated): closed over, it would
+  # be a constant of the compiled round, copied into it and into every cache entry.
+  fed_step = core.jit_round(lambda s, d, v, p: fed.round(s, d, p, v))
+  local_step = core.jit_round(lambda s, p: local.round(s, p))
+  on_mesh = core.replicate(public, mesh)
   variants = {m: creamfl.variant(**ROWS[m]) for m in methods if m in ROWS}
-  rounds = {m: functools.partial(fed_step, d=fed_data, v=variants[m]) for m in variants}
+  rounds = {m: functools.partial(fed_step, d=fed_data, v=variants[m], p=on_mesh) for m in variants}
   if LOCAL in methods:
-    rounds[LOCAL] = local_step
+    rounds[LOCAL] = functools.partial(local_step, p=on_mesh)
   inits = {m: lambda: fed.init(server_params, states, init_key) for m in methods}
   if any(m in PARAMETER_ROWS for m in methods):
     # Clients of the server's size on the same private data; the public set goes to the

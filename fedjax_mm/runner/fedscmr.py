@@ -591,8 +591,10 @@ def experiment(config) -> loop.Experiment:
 
   shared_mask = jnp.ones(setup.shared_test["label"].shape, bool)
   evaluate_own = jax.jit(lambda s, test: alg_lib.evaluate_group(group, s.groups[0], test, ns=ns))
+  # The shared test set an argument, as the clients' own: closed over, it would be a
+  # constant of the compiled program.
   evaluate_shared = jax.jit(
-    lambda s: alg_lib.evaluate_shared(group, s.groups[0], setup.shared_test, shared_mask, ns=ns)
+    lambda s, test, mask: alg_lib.evaluate_shared(group, s.groups[0], test, mask, ns=ns)
   )
 
   def per_client(values) -> dict[str, dict[str, float]]:
@@ -601,7 +603,9 @@ def experiment(config) -> loop.Experiment:
 
   def evaluate(s) -> dict[str, dict[str, dict[str, float]]]:
     """``{"own" | "global": {client name: its metrics}}``."""
-    own, shared = processes.gather((evaluate_own(s, test), evaluate_shared(s)))
+    own, shared = processes.gather(
+      (evaluate_own(s, test), evaluate_shared(s, setup.shared_test, shared_mask))
+    )
     return {"own": per_client(own), "global": per_client(shared)}
 
   def scalars(r, outs, evals):

@@ -144,9 +144,9 @@ def build(config):
   pool = world.generate(config.seed, n * per_client * 2, config=wcfg)
   img_enc, txt_enc = _encoders(config)
   # Pseudo-labels: K-Means on the frozen text encoder's caption embeddings (Sec. 5.1).
-  text_feats = np.asarray(
-    jax.jit(lambda x: txt_enc(x)[0])(jnp.asarray(pool["caption"][:, 0])), np.float64
-  )
+  txt_def, txt_state = nnx.split(txt_enc)  # The weights an argument, not a constant.
+  encode = jax.jit(lambda state, x: nnx.merge(txt_def, state)(x)[0])
+  text_feats = np.asarray(encode(txt_state, jnp.asarray(pool["caption"][:, 0])), np.float64)
   from sklearn.cluster import KMeans  # noqa: PLC0415 (only here)
 
   labels = KMeans(config.kmeans_k, n_init=10, random_state=config.seed).fit_predict(text_feats)
@@ -264,21 +264,24 @@ def experiment(config) -> loop.Experiment:
     jax.random.key(config.seed + 3),
     public=setup["public"],
   )
-  round_fn = functools.partial(alg.round_step, spec, frozen)
   # config.devices > 1: the state replicated over a mesh of that many devices, and the
   # round traced with it in context (traced_in), so each device trains its share of the
   # round's sampled clients (core.map_clients); the rest of the round is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
-  # The round and the evaluation take the data as arguments: closed over, every set would be
-  # a constant of the compiled program (a copy of it for XLA to fold at compile time).
-  data = {k: setup[k] for k in ("train", "mask", "modality", "public", "test", "global_test")}
+  # The round and the evaluation take the data and the frozen encoders as arguments: closed
+  # over, each would be a constant of the compiled program (a copy for XLA to fold at compile
+  # time, and in every entry of the compilation cache).
+  names = ("train", "mask", "modality", "public", "test", "global_test", "frozen")
+  data = {k: setup[k] for k in names}
   if devices > 1:
     state0 = core.replicate(state0, mesh)
     data = core.replicate(data, mesh)
 
   def round_and_check(meth, s, d, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
-    s, out = round_fn(
+    s, out = alg.round_step(
+      spec,
+      d["frozen"],
       meth,
       s,
       d["train"],
@@ -311,15 +314,15 @@ def experiment(config) -> loop.Experiment:
     flags = alg.round_flags(m)
     return lambda s: round_jit(meths[m], s, data, **flags)
 
-  def embeddings(params, personal, pairs, client_scale=None):
-    # spec.eval_batch pairs at a time: the whole set at once held every layer's activations.
-    return alg.client_embeddings(
-      spec, frozen, params, personal, pairs["image"], pairs["caption"], client_scale
-    )
-
   @jax.jit
-  def evaluate_jit(s, test, g):
+  def evaluate_jit(s, test, g, frozen):
     cs = s.method.client_scale
+
+    def embeddings(params, personal, pairs, client_scale=None):
+      # spec.eval_batch pairs at a time: the whole set at once held every layer's activations.
+      return alg.client_embeddings(
+        spec, frozen, params, personal, pairs["image"], pairs["caption"], client_scale
+      )
 
     def own_params(previous):
       # FedPer's clients are scored with their own adapters + heads.
@@ -356,7 +359,7 @@ def experiment(config) -> loop.Experiment:
 
   def evaluate(s) -> dict[str, Any]:
     # Run on the state's mesh, read whole here (gathered, in a job of several processes).
-    own, glob = processes.gather(evaluate_jit(s, data["test"], data["global_test"]))
+    own, glob = processes.gather(evaluate_jit(s, data["test"], data["global_test"], data["frozen"]))
     own = {k: np.asarray(v).tolist() for k, v in own.items()}
     r1 = np.asarray(own["R@1"])
     return {
