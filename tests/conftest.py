@@ -124,8 +124,9 @@ def main_cache(tmp_path_factory):
 
 @pytest.fixture
 def compilation_cache(tmp_path):
-  """A persistent compilation cache for this test only: the resumed run reuses the
-  first run's executables instead of compiling them again.
+  """A persistent compilation cache for this test only, every program kept (its folder is
+  the fixture's value): the resumed run reuses the first run's executables instead of
+  compiling them again.
 
   JAX opens its persistent cache once per process and keeps it open whatever the config
   says later, so the fixture resets it on both sides: without that, every later test of
@@ -138,7 +139,7 @@ def compilation_cache(tmp_path):
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   try:
-    yield
+    yield tmp_path / "jax_cache"
   finally:
     for name, value in previous.items():
       jax.config.update(name, value)

@@ -5,6 +5,10 @@ experiments run on the real CPU device) but the tests' fast-compile flag (see
 ``conftest.py``), and a compilation cache shared by the test session, so runs of
 the same config in one session compile once.
 
+The cache keeps every program, however fast its compile, so that a test can list what a
+run compiled (:func:`cached_programs`) and check that a resumed run compiled no program
+the first run had not (:func:`assert_resume_compiled_nothing_new`).
+
 Every run is also a check that no compiled program of the experiment holds its data or
 weights as constants: JAX warns when a lowering captures more than
 ``JAX_CAPTURED_CONSTANTS_WARN_BYTES`` of closed-over arrays, and :func:`run` fails on
@@ -38,6 +42,7 @@ def start(
   env["PYTHONPATH"] = str(ROOT)
   env["JAX_CAPTURED_CONSTANTS_WARN_BYTES"] = str(CAPTURED_BYTES)
   env["JAX_CAPTURED_CONSTANTS_REPORT_FRAMES"] = "6"  # Where each one was captured.
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # Cache every program.
   env.update(extra or {})
   cmd = [
     sys.executable,
@@ -70,3 +75,23 @@ def run(
   out, err = proc.communicate(timeout=timeout)
   assert CAPTURED not in err, "a compiled program closes over arrays:\n" + err[-6000:]
   return proc.returncode, out, err
+
+
+#: Programs a resumed run compiles that a fresh one does not: the eager slices, reshapes
+#: and placements that unpack its checkpoint (``fedjax_mm.runner.loop._unpack``).
+UNPACKING = frozenset({"jit_dynamic_slice", "jit_reshape", "jit_stage"})
+
+
+def cached_programs(cache_dir) -> set[str]:
+  """The entries of a JAX compilation cache: ``<program name>-<key>-cache``, one per program."""
+  return {p.name for p in pathlib.Path(cache_dir).glob("*-cache")}
+
+
+def assert_resume_compiled_nothing_new(cache_dir, before: set[str]) -> None:
+  """Fails if the run since ``before`` (:func:`cached_programs`) compiled a program that is
+  not in the cache, other than :data:`UNPACKING`'s: its rounds and evaluations must be
+  the first run's programs (its state typed and placed as the fresh one).
+  """
+  new = sorted(cached_programs(cache_dir) - before)
+  compiled = [entry for entry in new if entry.rsplit("-", 2)[0] not in UNPACKING]
+  assert not compiled, f"the resumed run compiled {len(compiled)} new programs: {compiled}"

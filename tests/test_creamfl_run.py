@@ -137,7 +137,7 @@ def test_padding_clients_change_no_fedavg_tower(monkeypatch):
   assert all(np.array_equal(a, b) for a, b in zip(padded["traffic"], plain["traffic"], strict=True))
 
 
-def test_smoke_run_resume_and_refusal(tmp_path, capsys):
+def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   config = creamfl_config.get_config("smoke")
   workdir = tmp_path / "run"
   result = runner.run(config, workdir, progress=False)
@@ -236,9 +236,12 @@ def test_smoke_run_resume_and_refusal(tmp_path, capsys):
   }
   assert loss["FedAvg"][0] == loss["FedIoT"][0] and loss["FedAvg"][1] != loss["FedIoT"][1]
 
-  # The same command again resumes from the last checkpoint and reproduces the results.
+  # The same command again resumes from the last checkpoint and reproduces the results,
+  # with the programs the first run compiled.
+  compiled = experiment_main.cached_programs(compilation_cache)
   again = runner.run(config, workdir, progress=False)
   assert "resumed at round" in capsys.readouterr().out
+  experiment_main.assert_resume_compiled_nothing_new(compilation_cache, compiled)
   assert again["recall"] == result["recall"] and again["traffic"] == result["traffic"]
   assert again["vqa"] == result["vqa"]  # evaluated anew on the restored servers: the same
 

@@ -278,9 +278,11 @@ def test_smoke_run_resume_after_kill_and_refusal(tmp_path, main_cache):
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  compiled = experiment_main.cached_programs(main_cache)
   code, out, err = main(tmp_path / "run", "--config.rounds=4")
   assert code == 0, err[-3000:]
   assert "resumed at round" in out
+  experiment_main.assert_resume_compiled_nothing_new(main_cache, compiled)
   resumed = json.loads((tmp_path / "run" / "results.json").read_text())
   assert resumed["fedmuscle"] == reference["fedmuscle"] and resumed["local"] == reference["local"]
   assert resumed["traffic_total"] == reference["traffic_total"]  # The ledger survived the kill.

@@ -166,8 +166,10 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   # uninterrupted run ended.
   shutil.rmtree(workdir / "checkpoints" / str(config.rounds))
   (workdir / "results.json").unlink()
+  compiled = experiment_main.cached_programs(compilation_cache)
   resumed = runner.run(config, workdir, progress=False)
   assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
+  experiment_main.assert_resume_compiled_nothing_new(compilation_cache, compiled)
   assert resumed["methods"] == reference["methods"]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   for m in config.methods:

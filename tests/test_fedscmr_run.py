@@ -182,8 +182,10 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   # uninterrupted run ended, bit for bit.
   shutil.rmtree(workdir / "checkpoints" / str(config.rounds))
   (workdir / "results.json").unlink()
+  compiled = experiment_main.cached_programs(compilation_cache)
   resumed = runner.run(config, workdir, progress=False)
   assert f"resumed at round {config.rounds - 1}" in capsys.readouterr().out
+  experiment_main.assert_resume_compiled_nothing_new(compilation_cache, compiled)
   for key in ("methods", "methods_global", "weights", "val_map", "global_test", "chance"):
     assert resumed[key] == reference[key], key
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -133,11 +133,13 @@ def test_smoke_run_exit_2_and_resume(tmp_path, main_cache):
   rounds = rcsr_config.get_config("smoke").rounds
   shutil.rmtree(workdir / "checkpoints" / str(rounds))
   (workdir / "results.json").unlink()
+  compiled = experiment_main.cached_programs(main_cache)
   code, out, err = experiment_main.run(
     "experiments/rcsr.py:smoke", workdir, cache_dir=main_cache, timeout=1200
   )
   assert code == 0, err[-3000:]
   assert f"resumed at round {rounds - 1}" in out
+  experiment_main.assert_resume_compiled_nothing_new(main_cache, compiled)
   resumed = json.loads((workdir / "results.json").read_text())
   assert resumed["methods"] == results["methods"]
 

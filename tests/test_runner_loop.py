@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import loop_toy
 import pytest
 
@@ -183,6 +184,37 @@ def test_restored_state_keeps_each_leafs_placement_so_the_round_compiles_once():
     else bool((a == b).all())
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(placed), strict=True)
   )
+
+
+def test_a_weakly_typed_leaf_gets_its_dtype_so_fresh_and_restored_rounds_are_one_program():
+  """A checkpoint restores every leaf strongly typed; the loop types a fresh state's weak
+  leaves the same, keeping values, placement and keys (RCSR's ``last_wr`` was weak, and
+  every resumed RCSR run compiled its rounds again)."""
+  device = jax.devices()[-1]
+  state = {
+    "weak": jnp.full((3,), 0.25),
+    "placed": jax.device_put(jnp.full((2,), 1.5), device),
+    "strong": jnp.arange(4, dtype=jnp.int32),
+    "key": jax.random.key(0),
+    "scalar": jnp.asarray(2.0),
+  }
+  assert jax.typeof(state["weak"]).weak_type and jax.typeof(state["placed"]).weak_type
+  typed = loop.strongly_typed(state)
+  for name, x in typed.items():
+    assert not jax.typeof(x).weak_type, name
+    assert x.dtype == state[name].dtype and x.committed == state[name].committed, name
+  assert typed["placed"].sharding == jax.sharding.SingleDeviceSharding(device)
+  assert typed["strong"] is state["strong"] and typed["key"] is state["key"]
+  assert all(bool((typed[k] == state[k]).all()) for k in ("weak", "placed", "scalar"))
+  fresh = {k: state[k] for k in ("weak", "strong", "key", "scalar")}  # as init gives them
+  typed = loop.strongly_typed(fresh)
+  restored = loop._unpack(loop._pack(typed), typed)
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x, s))
+  step(typed)
+  step(restored)
+  assert step._cache_size() == 1
+  step(fresh)  # ... where the weak fresh state was another program
+  assert step._cache_size() == 2
 
 
 def test_the_bar_names_the_method_and_phase_within_a_round(tmp_path, capsys):

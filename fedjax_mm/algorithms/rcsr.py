@@ -910,7 +910,9 @@ def init(
     fair=S.fair_init(n),
     prototypes=protos,
     prev_update=jnp.zeros_like(_flat(global_params)),
-    last_wr=jnp.full((n,), 1.0 / spec.per_round),
+    # float32, not weakly typed: a restored checkpoint is float32, and the resumed run's
+    # round would then be another program (compiled again, not found in the cache).
+    last_wr=jnp.full((n,), 1.0 / spec.per_round, jnp.float32),
     previous=jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), global_params),
     placeholder=placeholder,
     class_prototypes=class_protos,

@@ -28,6 +28,14 @@ needs, in one place:
   run holds one state per method with hundreds of leaves each, so each state
   is stored as one flat vector per dtype (typed PRNG keys as their key data)
   and unpacked onto the shardings of the freshly built states.
+* **A resume compiles nothing new.** A restored state has the fresh state's
+  types and placements: the loop gives a fresh state's weakly typed leaves
+  (``jnp.full(n, 0.5)``) their dtype before the first round, as a restored
+  checkpoint has them, and :func:`_unpack` leaves uncommitted leaves
+  uncommitted. So a rerun's rounds and evaluations are the programs the first
+  run compiled, found in the compilation cache (``--compilation_cache``); the
+  end-to-end tests check that a resume adds no program to it but the
+  unpacking's slices.
 * **NaN/Inf guard.** After each method's round, :attr:`Experiment.nonfinite`
   names whoever produced a non-finite update; the run stops with
   :class:`~fedjax_mm.runner.errors.NonFiniteError` before that state is
@@ -241,7 +249,7 @@ def run(
   # One run per workdir, taken before anything is written.
   with claim_workdir(workdir, config.to_dict(), overwrite=overwrite) as resumed:
     started = time.time()
-    state = dict(experiment.init())
+    state = {m: strongly_typed(s) for m, s in experiment.init().items()}
     ledgers: dict[str, Ledger] = {}
     with Checkpointer(workdir / "checkpoints", max_to_keep=2) as checkpointer:
       start = 0
@@ -483,6 +491,18 @@ def _sizes(layout: Mapping[str, Mapping[str, int]]) -> str:
     f"{m} " + " + ".join(f"{n} {d}" for d, n in sorted(sizes.items()))
     for m, sizes in sorted(layout.items())
   )
+
+
+def strongly_typed(tree: Any) -> Any:
+  """``tree`` with each weakly typed leaf given its dtype (values, placement unchanged).
+
+  A checkpoint restores every leaf with its dtype and no weak type, so a fresh state
+  with a weakly typed leaf (``jnp.full(n, 1 / n)``) would have its rounds compiled
+  for other argument types than a resumed one: the rerun would compile every round
+  again instead of finding them in the compilation cache.
+  """
+  weak = lambda x: isinstance(x, jax.Array) and jax.typeof(x).weak_type
+  return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype) if weak(x) else x, tree)
 
 
 def _abstract(state: Mapping[str, Any]) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
