@@ -78,7 +78,8 @@ def run(
 
 
 #: Programs a resumed run compiles that a fresh one does not: the eager slices, reshapes
-#: and placements that unpack its checkpoint (``fedjax_mm.runner.loop._unpack``).
+#: and array lifts (``jnp.asarray``, JAX's ``stage``) that unpack its checkpoint
+#: (``fedjax_mm.runner.loop._unpack``).
 UNPACKING = frozenset({"jit_dynamic_slice", "jit_reshape", "jit_stage"})
 
 
