@@ -88,13 +88,14 @@ def test_devices_split_the_clients():
   """``config.devices=2`` with 4 clients: every loop over the 4 clients (stage 1, the DRO
   losses, stage 2) runs over 2 on each device, on a replicated state, and the round's
   losses and DRO weights are one device's up to float rounding (the parameters then
-  differ by Adam's amplified rounding, as CreamFL's do: see the README)."""
+  differ by Adam's amplified rounding, as CreamFL's do: see the README). "auto" loops over
+  the clients on one device too, though this process has 8 (the round is traced in the
+  one-device mesh)."""
   outcomes = {}
   for devices in (1, 2):
     config = fedrgb_config.get_config("smoke")
     config.methods = ("fedrgb",)
     config.num_clients = 4
-    config.client_map = "scan"  # a loop over clients on one device too
     config.devices = devices
     exp = runner.experiment(config)
     state = exp.init()["fedrgb"]

@@ -61,12 +61,12 @@ def test_devices_split_the_sampled_clients_and_change_no_result():
   """``config.devices=2``: the round's 2 sampled clients train one per device (the loop
   over clients, outermost in the round, has length 1 where one device loops over both) on
   a replicated state, and two rounds give the shared model, the personal adapters and the
-  metrics of one device (float rounding apart)."""
+  metrics of one device (float rounding apart). "auto" loops over the clients on one
+  device too, though this process has 8 (the round is traced in the one-device mesh)."""
   outcomes = {}
   for devices in (1, 2):
     config = rcsr_config.get_config("smoke")
     config.methods = ("rcsr",)
-    config.client_map = "scan"  # a loop over clients on one device too
     config.devices = devices
     exp = runner.experiment(config)
     state = exp.init()["rcsr"]
@@ -74,6 +74,10 @@ def test_devices_split_the_sampled_clients_and_change_no_result():
     for _ in range(2):
       state, out = round_fn(state)
     (client_loop, *_) = cost.equations(jax.make_jaxpr(round_fn)(state), "scan")
+    if devices == 1:  # "auto" traces the program that "scan" does
+      config.client_map = "scan"
+      looped = runner.experiment(config).methods["rcsr"]
+      assert str(jax.make_jaxpr(looped)(state)) == str(jax.make_jaxpr(round_fn)(state))
     outcomes[devices] = (state.params, state.personal, out, client_loop.params["length"])
   assert {len(x.sharding.device_set) for x in jax.tree.leaves(outcomes[2][0])} == {2}
   assert outcomes[1][3] == 2 and outcomes[2][3] == 1

@@ -445,11 +445,14 @@ def experiment(config) -> loop.Experiment:
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
   def jitted_round(m):
-    fn = functools.partial(round_and_check, algorithms[m])
+    # Traced with the mesh in context even on one device, so that map_clients' "auto"
+    # is the loop that one device runs (a process with more devices than the mesh
+    # would otherwise vmap the clients).
+    fn = traced_in(mesh, functools.partial(round_and_check, algorithms[m]))
     if devices == 1:
       return jax.jit(fn, donate_argnums=0)
     # Traced with the mesh in context; the state stays replicated from round to round.
-    return jax.jit(traced_in(mesh, fn), donate_argnums=0, out_shardings=(replicated(mesh), None))
+    return jax.jit(fn, donate_argnums=0, out_shardings=(replicated(mesh), None))
 
   rounds = {m: jitted_round(m) for m in methods}
 
@@ -481,6 +484,7 @@ def experiment(config) -> loop.Experiment:
   dist_key = jax.random.key(config.seed + 19)  # the same client draws for every method
 
   @functools.partial(jax.jit, static_argnums=0)
+  @functools.partial(traced_in, mesh)  # the clients' retraining: map_clients, as in a round
   def distortion_jit(a, encoder, aligner, teacher, decoder, train, mask, test):
     return fedrgb_eval.distortion_matrix(
       a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps, decoder=decoder

@@ -303,7 +303,7 @@ def experiment(config) -> loop.Experiment:
   # their own, MFCPL (class prototypes), FedMEKT (the proxy set) and CreamFL (the public
   # set's representations) have their own.
   round_jit = jax.jit(
-    round_and_check if devices == 1 else traced_in(mesh, round_and_check),
+    traced_in(mesh, round_and_check),  # in context on one device too: a loop over clients
     donate_argnums=1,
     static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
     # On several devices the state stays replicated from round to round.
