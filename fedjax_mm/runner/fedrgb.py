@@ -423,9 +423,10 @@ def experiment(config) -> loop.Experiment:
   gallery = int(config.gallery)
   train, mask, test, ood = setup["train"], setup["mask"], setup["test"], setup["ood"]
 
-  # config.devices > 1: the states replicated over a mesh of that many devices, and the
-  # rounds traced with it in context, so each device trains its share of the clients
-  # (core.map_clients); the rest of a round (the server, the DRO teacher) is replicated.
+  # The rounds are traced with the job's mesh in context (traced_in), so core.map_clients
+  # runs one loop over clients per device of it. config.devices > 1: the states replicated
+  # over that many devices, each trains its share of the clients; the rest of a round (the
+  # server, the DRO teacher) is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
   # The rounds and the evaluation take the data as arguments: closed over, every set would be
@@ -445,13 +446,12 @@ def experiment(config) -> loop.Experiment:
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
   def jitted_round(m):
-    # Traced with the mesh in context even on one device, so that map_clients' "auto"
-    # is the loop that one device runs (a process with more devices than the mesh
-    # would otherwise vmap the clients).
+    # In the mesh's context on one device too: map_clients' "auto" is then the loop that
+    # one device runs (in a process with more devices than the mesh it would vmap).
     fn = traced_in(mesh, functools.partial(round_and_check, algorithms[m]))
     if devices == 1:
       return jax.jit(fn, donate_argnums=0)
-    # Traced with the mesh in context; the state stays replicated from round to round.
+    # On several devices the state stays replicated from round to round.
     return jax.jit(fn, donate_argnums=0, out_shardings=(replicated(mesh), None))
 
   rounds = {m: jitted_round(m) for m in methods}

@@ -264,9 +264,10 @@ def experiment(config) -> loop.Experiment:
     jax.random.key(config.seed + 3),
     public=setup["public"],
   )
-  # config.devices > 1: the state replicated over a mesh of that many devices, and the
-  # round traced with it in context (traced_in), so each device trains its share of the
-  # round's sampled clients (core.map_clients); the rest of the round is replicated.
+  # The round is traced with the job's mesh in context (traced_in), so core.map_clients
+  # runs one loop over clients per device of it. config.devices > 1: the state replicated
+  # over that many devices, each trains its share of the round's sampled clients; the rest
+  # of the round is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
   # The round and the evaluation take the data and the frozen encoders as arguments: closed
@@ -303,7 +304,7 @@ def experiment(config) -> loop.Experiment:
   # their own, MFCPL (class prototypes), FedMEKT (the proxy set) and CreamFL (the public
   # set's representations) have their own.
   round_jit = jax.jit(
-    traced_in(mesh, round_and_check),  # in context on one device too: a loop over clients
+    traced_in(mesh, round_and_check),  # on one device too: "auto" is that device's loop
     donate_argnums=1,
     static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
     # On several devices the state stays replicated from round to round.
