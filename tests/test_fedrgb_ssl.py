@@ -2,7 +2,6 @@
 local == global, FedMAE's reconstruction learning, and their rounds."""
 
 import dataclasses
-import doctest
 
 import fedrgb_toys
 import jax
@@ -187,8 +186,3 @@ def test_config_checks():
     rgb.FedRGB(
       dataclasses.replace(alg.config, method="fedmae"), alg.encoder_def, alg.aligner_def
     ).init(state.rng, state.encoder, state.aligner, 3)
-
-
-@pytest.mark.parametrize("module", [losses.fedx, losses.fedmae])
-def test_doctests(module):
-  assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

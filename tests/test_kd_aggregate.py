@@ -5,15 +5,12 @@ The rules run in chunks of public samples; every chunk size (dividing ``P`` or n
 ensemble and regulariser are checked against a literal loop too.
 """
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fedjax_mm import losses
-from fedjax_mm.losses import fedet as fedet_losses
 from fedjax_mm.server import kd_aggregate
 
 TAU = 0.5
@@ -269,7 +266,3 @@ def test_diversity_is_empty_under_unanimity_and_for_one_client():
   # The server that already matches the ensemble has nothing to learn from it.
   zero = losses.fedet_diversity(ensemble, ensemble, g)
   np.testing.assert_allclose(np.asarray(zero), 0.0, atol=1e-6)
-
-
-def test_diversity_doctest():
-  assert doctest.testmod(fedet_losses).failed == 0

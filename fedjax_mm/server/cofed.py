@@ -56,7 +56,7 @@ def confident_votes(probs: Array, *, margin: float = 0.3) -> Array:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> confident_votes(jnp.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]))
+    >>> confident_votes(jnp.array([[0.7, 0.2, 0.1], [0.5, 0.4, 0.1]]))
     Array([ 0, -1], dtype=int32)
 
   Args:
