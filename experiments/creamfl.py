@@ -159,7 +159,8 @@ def get_config(arg=None):
       "inter_temperature": 0.5,  # eq. (1), as the reference
       "intra_temperature": 0.5,  # eq. (2)
       "gca_temperature": 1.0,  # eq. (4) as printed
-      "distill_weight": 1.0,  # eq. (7)
+      # Eq. (7)'s pass, against the retrieval pass's gradients in the server's one AdamW.
+      "distill_weight": 1.0,
       "iot_weight": 100.0,  # reamFL+IoT
       "muscle_partners": 3,  # M local matrices per batch (server's Muscle loss)
       "muscle_tau_full": 0.2,

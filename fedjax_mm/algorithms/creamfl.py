@@ -295,7 +295,15 @@ class CreamConfig:
     inter_temperature: temperature of eq. (1) (0.5 in the reference).
     intra_temperature: temperature of eq. (2).
     gca_temperature: temperature of eq. (4) (1 is the paper's equation).
-    distill_weight: weight of eq. (7) (and of the server's Muscle loss).
+    distill_weight: a factor on the server's whole distillation objective (eq. (7),
+      the server's Muscle loss and FedET's diversity term together; their relative
+      weights are ``fedet_diversity_weight`` and the :class:`Variant`'s ``distill``
+      / ``server_muscle``). Eq. (7) has no weight of its own. The distillation is an
+      epoch of its own, and AdamW's step does not depend on a loss's scale (but
+      through its epsilon), so the factor acts because the server's retrieval epoch
+      (step 1) and its distillation epoch share one AdamW state: it sets the size of
+      the distillation gradients against the retrieval ones in Adam's moments (as the
+      authors' ``kd_weight`` does, one optimiser for both).
     iot_weight: multimodal clients' weight factor in reamFL+IoT (100).
     muscle_partners: ``M`` local matrices per batch in the server's Muscle loss.
     muscle_tau_full: Muscle ``tau^{(M+1)}``.
@@ -767,13 +775,13 @@ def server_kd_objective(
 ):
   """Steps 6-7 on the server: eq. (7) and/or the server's Muscle loss (App. K).
 
-  ``distill * sum_m ||f_m - a_m||_2`` (``a_m`` the aggregated representations,
-  modalities nobody sent are skipped) ``+ server_muscle * sum_m Muscle(f_m;
-  M local matrices)``, where the ``M`` partners are drawn per batch among all
-  local matrices received (``local_reps`` ``[R, P, d]``, both modalities); the
-  FedET row (``var.diversity``) adds ``fedet_diversity_weight * sum_m mean_k
-  KL(softmax(e_m,k . g_m'/tau) || softmax(f_m,k . g_m'/tau))``, FedET's diversity
-  regulariser (:func:`fedjax_mm.losses.fedet_diversity`,
+  ``distill_weight * (distill * sum_m ||f_m - a_m||_2 + server_muscle * sum_m
+  Muscle(f_m; M local matrices) [+ FedET's term])``: ``a_m`` are the aggregated
+  representations (modalities nobody sent are skipped), and the ``M`` partners are
+  drawn per batch among all local matrices received (``local_reps`` ``[R, P, d]``,
+  both modalities). The FedET row (``var.diversity``) adds ``fedet_diversity_weight
+  * sum_m mean_k KL(softmax(e_m,k . g_m'/tau) || softmax(f_m,k . g_m'/tau))``,
+  FedET's diversity regulariser (:func:`fedjax_mm.losses.fedet_diversity`,
   :mod:`fedjax_mm.server.kd_aggregate`), under a ``jax.lax.cond`` so the other rows
   do not compute it.
 
