@@ -1,4 +1,4 @@
-"""Pure losses on representation matrices (import only ``jax``).
+"""Pure losses on representation matrices (``jax``; NumPy only to check static arguments).
 
 Every loss works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``. The
 contrastive losses (InfoNCE, pairwise, Muscle, Gramian, CreamFL's) take
