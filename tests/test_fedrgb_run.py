@@ -90,26 +90,37 @@ def test_devices_split_the_clients():
   losses and DRO weights are one device's up to float rounding (the parameters then
   differ by Adam's amplified rounding, as CreamFL's do: see the README). "auto" loops over
   the clients on one device too, though this process has 8 (the round is traced in the
-  one-device mesh)."""
+  one-device mesh). The distortion matrix's retraining (a loop over the clients too) of
+  one final model is one device's up to rounding as well."""
   outcomes = {}
   for devices in (1, 2):
     config = fedrgb_config.get_config("smoke")
     config.methods = ("fedrgb",)
     config.num_clients = 4
     config.devices = devices
+    config.rounds = 1  # so that the round's state is the final one, which evaluate retrains
+    config.distortion.retrain = ("own",)
+    config.downstream.enabled = config.segmentation.enabled = False
     exp = runner.experiment(config)
     state = exp.init()["fedrgb"]
     round_fn = exp.methods["fedrgb"]
     loops = cost.equations(jax.make_jaxpr(round_fn)(state), "scan")
     state, out = round_fn(state)
     lengths = collections.Counter(e.params["length"] for e in loops)
-    outcomes[devices] = (state, out, lengths)
-  (_, one, on_one), (state, two, on_two) = outcomes[1], outcomes[2]
+    outcomes[devices] = (exp, state, out, lengths)
+  (exp1, state1, one, on_one), (exp2, state, two, on_two) = outcomes[1], outcomes[2]
   assert {len(x.sharding.device_set) for x in jax.tree.leaves(state["rgb"].encoder)} == {2}
   split = on_one[4] - on_two[4]
   assert split >= 3 and on_two[2] - on_one[2] == split and on_one.total() == on_two.total()
   for key in ("stage1_loss", "stage2_loss", "dro_loss_start", "weights"):
     np.testing.assert_allclose(two[key], one[key], rtol=1e-4)
+  # One device's final model, evaluated by both: placed as the two-device run places it.
+  placed = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), state1, state)
+  d1, d2 = (e.evaluate(s)["distortion"]["own"] for e, s in ((exp1, state1), (exp2, placed)))
+  assert np.asarray(d1["matrix"]).shape == (4, 4)
+  np.testing.assert_allclose(d2["matrix"], d1["matrix"], rtol=1e-4, atol=1e-5)
+  for key in ("paired_cosine", "unpaired_cosine"):
+    np.testing.assert_allclose(d2[key], d1[key], rtol=1e-5)
 
 
 def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
