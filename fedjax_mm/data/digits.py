@@ -25,14 +25,9 @@ def load_digits(*, seed: int = 0) -> dict[str, np.ndarray]:
 
   Returns:
     ``{"image": float32 [1797, 8, 8, 1] in [0, 1], "label10": int32 [1797]}``.
-
-  Raises:
-    ImportError: when scikit-learn is not installed.
   """
-  try:
-    from sklearn import datasets  # optional dependency, imported lazily
-  except ImportError as e:
-    raise ImportError("load_digits needs scikit-learn: pip install 'fedjax_mm[test]'.") from e
+  from sklearn import datasets  # noqa: PLC0415 (imported here: a second to import)
+
   raw = datasets.load_digits()
   images = (raw.images / _MAX_PIXEL).astype(np.float32)[..., None]
   labels = raw.target.astype(np.int32)
