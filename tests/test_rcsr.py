@@ -227,3 +227,17 @@ def test_moon_loss_against_numpy():
   expect = -np.log(np.exp(pos) / (np.exp(pos) + np.exp(neg))) * where
   got = L.moon_loss(jnp.asarray(z), jnp.asarray(zg), jnp.asarray(zp), where=jnp.asarray(where))
   np.testing.assert_allclose(got, expect, rtol=1e-5)
+
+
+def test_personal_adapter_is_eq_12_without_biases():
+  from flax import nnx
+
+  from fedjax_mm.algorithms import rcsr as A
+
+  adapter = A.Personal(8, 5, rngs=nnx.Rngs(0))
+  names = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(adapter, nnx.Param)))
+  assert names == ["w1/kernel", "w2/kernel"]
+  z = jax.random.normal(jax.random.key(1), (3, 8))
+  w1, w2 = np.asarray(adapter.w1.kernel[...]), np.asarray(adapter.w2.kernel[...])
+  np.testing.assert_allclose(adapter(z), jax.nn.gelu(z @ w1) @ w2, rtol=1e-5, atol=1e-9)
+  assert np.abs(w2).max() < 1e-3  # W2 near zero: A_k starts as an approximate identity

@@ -246,11 +246,12 @@ class Head(nnx.Module):
 
 
 class Personal(nnx.Module):
-  """RCSR-p's residual adapter ``A_k(z) = W2 GELU(W1 z)`` (eq. 12), ``W2`` near zero."""
+  """RCSR-p's residual adapter ``A_k(z) = W2 GELU(W1 z)`` (eq. 12, no biases), ``W2`` near zero."""
 
   def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-    self.w1 = nnx.Linear(dim, hidden, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
-    self.w2 = nnx.Linear(hidden, dim, kernel_init=nnx.initializers.normal(1e-4), rngs=rngs)
+    w1_init, w2_init = nnx.initializers.normal(0.02), nnx.initializers.normal(1e-4)
+    self.w1 = nnx.Linear(dim, hidden, use_bias=False, kernel_init=w1_init, rngs=rngs)
+    self.w2 = nnx.Linear(hidden, dim, use_bias=False, kernel_init=w2_init, rngs=rngs)
 
   def __call__(self, z: Array) -> Array:
     return self.w2(jax.nn.gelu(self.w1(z)))
