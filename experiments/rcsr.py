@@ -28,7 +28,10 @@ beside FedAvg, one seed::
 (``methods`` is a tuple: its repr parses, a comma string does not).
 
 Scaled from Table 3: 200 -> 20 rounds, T_w 20 -> 5, batch 128 -> 32, adapter 64 -> 16,
-heads 512 -> 128, router width 128 -> 32, lr 1e-4 -> 1e-3 (few rounds).
+heads 512 -> 512 -> 512 as 64 -> 128 -> 64 (``dim`` 64 is the embedding), router width
+128 -> 32, lr 1e-4 -> 1e-3 and its warm-up 5 -> 2 rounds (few rounds), and K-Means K = 50
+-> 10 clusters for the Dirichlet split (``kmeans_k``, which is also MFCPL's prototype
+count, 10 in the paper).
 """
 
 import ml_collections

@@ -143,7 +143,9 @@ def build(config):
   per_client = config.train_per_client + config.test_per_client
   pool = world.generate(config.seed, n * per_client * 2, config=wcfg)
   img_enc, txt_enc = _encoders(config)
-  # Pseudo-labels: K-Means on the frozen text encoder's caption embeddings (Sec. 5.1).
+  # Pseudo-labels: K-Means on the frozen text encoder's caption embeddings (Sec. 5.1, which
+  # clusters the training captions; here the whole pool: the clients' pairs and the shared
+  # test and proxy pairs, drawn from the same world).
   txt_def, txt_state = nnx.split(txt_enc)  # The weights an argument, not a constant.
   encode = jax.jit(lambda state, x: nnx.merge(txt_def, state)(x)[0])
   text_feats = np.asarray(encode(txt_state, jnp.asarray(pool["caption"][:, 0])), np.float64)
