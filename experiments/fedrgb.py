@@ -26,8 +26,9 @@ decoder trained on the frozen image tower with the same scenes (the paper's RSNA
 beside the all-positive mask; the matrices are in report.md and results.json.
 
 Scaled from App. C: 25 -> 10 rounds, 50 -> 20 stage-1 steps (the authors' code's 20),
-stage 2 50 steps, batch 32, ResNet-50 / BERT -> vit_t / transformer_t, 128-d outputs ->
-64; gamma = rho = alpha = 1, beta = 2, AdamW (lr 1e-4, weight decay 0.05).
+stage 2 50 steps, batch 388 -> 32, lr 2e-5 -> 1e-4 (few rounds), ViT-Base / BERT-base ->
+vit_t / transformer_t, 128-d outputs (the authors' code) -> 64; gamma = rho = alpha = 1,
+beta = 2; AdamW with weight decay 0.05 (the authors' code; App. C names no optimiser).
 """
 
 import ml_collections

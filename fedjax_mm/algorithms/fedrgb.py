@@ -4,8 +4,10 @@ FedRGB paper (``fedrgb.txt``), Sections 4.1-4.2, Algorithm 1, App. B; the
 authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. One round:
 
 1. **DRO losses at the start of the round** (Algorithm 1 line 3): every client
-   computes ``v_c = L_dro`` (eq. (6)) of the current teacher on one batch, with
-   the learnable encoder copy equal to the global encoder (no distortion yet).
+   computes ``v_c = L_dro`` (in the configured form, eq. (12) by default, or eq.
+   (6)) of the current teacher on one batch, with the learnable encoder copy
+   equal to the global encoder (no distortion yet: the regulariser is 0, so under
+   eq. (12) ``v_c`` is the teacher's ``L_CL`` on the global features).
 2. **DRO weights** (eq. (5), line 15): ``w <- Proj(w e^{gamma v} / sum, rho)``
    (:func:`fedjax_mm.server.dro_update`), used in this same round (line 23), as
    the paper says. ``dro_source="code"`` is the authors' code's variant instead:
@@ -35,13 +37,18 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. One round:
    trains the teacher's image-text alignment (its ``L_CL`` pairs images with
    images, and ``L_task`` reaches only the encoder copy through the frozen
    local aligner) yet the teacher replaces the aligners; eq. (12) keeps the
-   alignment (i2t R@1 23.8%, FedAvg 24.4%). The
+   alignment (i2t R@1 23.8%, FedAvg 24.4%). Under eq. (12) the encoder copy
+   gets no gradient where it starts (the regulariser is at its minimum and
+   ``L_CL`` reads the teacher on the frozen ``f*``'s features), so it moves only
+   by AdamW's weight decay and the regulariser's pull back: the stage trains the
+   teacher on ``L_CL`` of undistorted features. The
    encoder copy is discarded after the stage (only the teacher is sent, as
    Table 9's stage-2 traffic implies).
 6. **Server**: the teachers' average weighted by ``w`` becomes both the next
    teacher and the next round's global aligners (line 27).
 
-Model choices (scaled from the paper's ResNet-50 / BERT + 768-2048-128 heads):
+Model choices (scaled from the paper's ViT-Base / BERT-base, with the authors'
+code's 768-2048-128 heads):
 
 * Encoders: the zoo's, optionally filled from the shipped World-CLIP weights.
 * Align module: one pre-LN Transformer block (width = encoder features, 4
@@ -63,8 +70,13 @@ Model choices (scaled from the paper's ResNet-50 / BERT + 768-2048-128 heads):
   their teacher is the average of the stage-1 aligners (``teacher="average"``);
   in the paper's Algorithm 1 it counts through the encoders it trains.
 * Losses reduced by the mean over the batch (:mod:`fedjax_mm.losses.fedrgb`).
-* Optimiser: AdamW (weight decay 0.05, App. C), fresh state every stage and
-  round (the code re-creates its optimiser per round).
+* Optimiser: AdamW (weight decay 0.05, the authors' code's; App. C names no
+  optimiser), fresh state every stage and round (the code re-creates its
+  optimiser per round).
+* No extra round for the guidance: App. C runs "an extra communication" to
+  obtain it; here round 1's stage 1 is guided by the initial aligner. With
+  frozen encoders and eq. (12) stage 1 cannot change the result (above); with
+  ``train_encoders`` the first round's guidance pulls towards that aligner.
 
 ``method="fedavg"`` is the baseline on the same backbone: stage 1 on
 ``L_task`` alone (no guidance), no stage 2, no DRO, aggregation weighted by

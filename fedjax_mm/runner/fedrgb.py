@@ -18,8 +18,10 @@ model (Local: the client's own model):
 * ``i2t_R@K`` / ``t2i_R@K`` (K = 1, 5): both directions over the client's whole
   held-out set (:func:`fedjax_mm.metrics.image_text_recall`);
 * ``gallery_t2i_R@K``: text-to-image with the gallery being a batch of
-  ``gallery`` pairs (App. C.2: "the gallery is a batch"), i.e. the held-out set cut
-  into consecutive folds of ``gallery`` pairs, averaged;
+  ``gallery`` pairs, as the authors' code scores top-1 / top-5 within each
+  validation batch (its ``precision_at_k``; the paper says "top-1 recall
+  accuracy" and no gallery), i.e. the held-out set cut into consecutive folds of
+  ``gallery`` pairs, averaged;
 * average and worst client of each (the paper's main table);
 * out-of-distribution retrieval, both directions, on ``ood_test`` pairs of the
   world's public distribution (``shift = PUBLIC_SHIFT``; the paper's unseen
