@@ -1,4 +1,4 @@
-"""The FedSCMR experiment: features, clients, the eight systems, each round's metrics, the tables.
+"""The FedSCMR experiment: features, clients, the ten systems, each round's metrics, the tables.
 
 ``run(config, workdir)`` is what ``python -m experiments.main
 --config=experiments/fedscmr.py`` calls: :func:`fedjax_mm.runner.loop.run` of
@@ -92,7 +92,8 @@ METHODS: dict[str, str] = {
   "fedscmr_no_lccs": "FedSCMR -L_ccs",
   "fedscmr_no_phi": "FedSCMR -Phi",
 }
-#: Rows of the paper's Tables 1-2 and 3-4.
+#: Rows of the paper's Tables 1-2 (with two of ours: FedAvg / FedProx of the common layer
+#: only) and 3-4.
 MAIN_TABLE = ("dscmr", "fedavg", "fedprox", "fedavg_common", "fedprox_common", "fedcmr", "fedscmr")
 ABLATION_TABLE = ("fedscmr_no_lcs", "fedscmr_no_lccs", "fedscmr_no_phi", "fedscmr")
 #: Text feature extractors: ``"bow"`` (numpy, a fixed random projection of word counts) or a
@@ -896,7 +897,12 @@ def _report(config, names, classes, ns, chance, outcome: loop.Outcome) -> loop.R
   for protocol, (_, title) in PROTOCOLS.items():
     t = tables([result], protocol=protocol)
     if "main" in t:
-      sections.append((f"Systems on the {title} (as the paper's Tables 1-2)", t["main"]))
+      sections.append(
+        (
+          f"Systems on the {title} (the paper's Tables 1-2, with FedAvg / FedProx (common))",
+          t["main"],
+        )
+      )
     if "ablation" in t:
       sections.append((f"Ablations on the {title} (as the paper's Tables 3-4)", t["ablation"]))
   plots = {}

@@ -20,8 +20,10 @@ with ``n^k`` the client's samples, ``c^k`` its number of label categories,
 ``l^k_t`` its local loss and ``v^k_t`` its retrieval mAP in round ``t``.
 ``gamma = 0`` removes the mAP term (the paper's ablation FedSCMR-Phi).
 
-FedCMR (Zong et al., 2021) is the FedSCMR paper's strongest baseline and the
-origin of eq. (10). Its paper gives no formula; its authors' code
+FedCMR (Zong et al., 2021) is the FedSCMR paper's strongest baseline; it also
+weights clients by samples and categories, as ``n^k c^k / sum_j n^j c^j`` (eq. (10)
+is the product of the two shares, which differs from it by a constant factor:
+inside the softmax that matters). Its paper gives no formula; its authors' code
 (github.com/hasakiXie123/FedCMR, ``utils.parameterCooperation`` and
 ``utils.calc``, called from ``train.py``) aggregates the common linear layer with
 
