@@ -205,7 +205,7 @@ def test_each_task_has_its_own_test_size():
   # Unset, every task falls back to test_size; the paper's sizes are set per task.
   assert set(runner.test_sizes(fedmuscle_config.get_config("smoke")).values()) == {24}
   paper = runner.test_sizes(fedmuscle_config.get_config("paper_setup2"))
-  assert paper == {"mlc": 4000, "ic100": 2000, "ic10": 1000, "ss": 3000, "tc": 5000}
+  assert paper == {"mlc": 1000, "ic100": 2000, "ic10": 4000, "ss": 3000, "tc": 5000}  # App. G
   bad = fedmuscle_config.get_config("smoke")
   bad.test_sizes.detection = 3
   with pytest.raises(runner.ConfigError, match=r"^test_sizes: unknown task 'detection'"):
