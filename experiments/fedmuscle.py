@@ -39,7 +39,7 @@ models, one column each with its Delta against local training::
 lists its adaptations; their settings are ``config.baselines``. SAGE pseudo-labels
 the public set within each task around a shared head; CoFED votes pseudo-labels
 across tasks through the world's class hierarchy.)
-Table 1's methods "trained individually", each user alone on the public set,
+Table 1's methods "trained individually" (Sec. 6.1), each user alone on the public set,
 are ``simclr`` and ``pseudo_label`` (Curriculum Labeling;
 ``fedjax_mm/algorithms/{simclr,pseudo_label}.py``). The report also gives each
 method's FLOPs per round, users and server apart, with ``--config.count_flops=True``
@@ -292,7 +292,8 @@ def get_config(arg=None):
     config.users = [_user("cnn_m", u["task"], u["train_size"]) for u in config.users]
   elif arg in ("setup2", "setup2_minilm"):
     text = ("transformer_t", "gru") if arg == "setup2" else ("hf:all-MiniLM-L6-v2",) * 2
-    # Segmentation on two ViTs with LoRA, as the paper's SegFormer-B0 / B1: the
+    # Segmentation on two ViTs with LoRA, as the paper's SegFormer-B0 / B1, 200 samples
+    # each (App. G gives SS users 1000; TC users have App. G's 100): the
     # segmentation head reads the encoder's feature map, so only adapters in the
     # encoder let the contrastive epochs reach it (a frozen CNN has none; the
     # runner warns of such a user, runner.fedmuscle.unaligned_users).

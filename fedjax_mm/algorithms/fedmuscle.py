@@ -15,7 +15,9 @@ round (Algorithm 1, lines 4-14):
      (images or captions, whichever its task reads) and sends
      ``Z^n`` ``[B, d]`` (uplink);
    * the server draws, for each user, ``M`` partners uniformly among the
-     *other* users present (fresh for every batch, from the run's key) and
+     *other* users present (fresh for every batch, from the run's key: Sec. 5
+     says "in each communication round and CL epoch" and Algorithm 1 line 10
+     leaves it open; a draw per batch is our reading) and
      computes each user's targets from the partners' matrices — all users at
      once, ``vmap``-ped (:func:`fedjax_mm.losses.muscle_server_targets`, or the
      paper's ``S^n, alpha^n`` with ``downlink="paper"``);
@@ -258,7 +260,11 @@ def _encode(group: GroupDef, fn, state: ClientState, inputs: Array):
 
 
 def public_batches(key: Array, public: dict[str, Array], batch_size: int):
-  """One epoch of the public set in a fresh order: ``[num_batches, B, ...]`` + keys."""
+  """One epoch of the public set in a fresh order: ``[num_batches, B, ...]`` + keys.
+
+  Full batches only: the ``num_public % B`` samples left over in this order are not
+  used this epoch (8 of the paper's 5000 at B = 32), as a drop-last loader would.
+  """
   num_public = jax.tree.leaves(public)[0].shape[0]
   num_batches = num_public // batch_size
   order = jax.random.permutation(key, num_public)[: num_batches * batch_size].reshape(

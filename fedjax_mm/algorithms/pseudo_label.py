@@ -6,9 +6,11 @@ Revisiting Pseudo-Labeling for Semi-Supervised Learning", AAAI 2021 (arXiv
 unlabelled set; only the most confident pseudo-labels are kept, by a
 percentile threshold that rises by ``Delta = 20`` points per stage (the top
 20%, then 40%, ..., then all of them), and the model trains on the labelled
-and the kept pseudo-labelled samples together. The FedMuscle paper's Table 1
-lists it "trained individually": the unlabelled set is the public set, each
-user labels it with its own model for its own task, nothing is sent.
+and the kept pseudo-labelled samples together. The FedMuscle paper (Sec. 6.1,
+Baselines) lists it beside SimCLR and local training, "where each user's model is
+trained individually", on the public set; read here as: the unlabelled set is the
+public set, each user labels it with its own model for its own task, nothing is
+sent.
 
 Adaptation to the rounds of this experiment, every choice:
 

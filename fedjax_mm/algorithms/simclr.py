@@ -3,9 +3,10 @@ r"""SimCLR, trained by each user alone: local training interleaved with self-sup
 Paper: Chen, Kornblith, Norouzi and Hinton, "A Simple Framework for
 Contrastive Learning of Visual Representations", ICML 2020 (arXiv
 2002.05709), Algorithm 1 and eq. (1) (NT-Xent,
-:func:`fedjax_mm.losses.nt_xent`). The FedMuscle paper's Table 1 lists SimCLR
-"trained individually": every user pre-trains its own representation on the
-public data, nothing is sent. One round here:
+:func:`fedjax_mm.losses.nt_xent`). The FedMuscle paper (Sec. 6.1, Baselines) compares
+with SimCLR, pseudo-labelling and local training, "where each user's model is
+trained individually", SimCLR on the public data; read here as: every user
+pre-trains its own representation on the public data, nothing is sent. One round here:
 
 1. **Local update**: every user trains its whole model on its own task for
    ``E`` epochs (:func:`fedjax_mm.core.train_group`), as FedMuscle's line 5.
