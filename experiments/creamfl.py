@@ -88,8 +88,10 @@ examples of each split (a smaller test split scales the 1K / 5K protocols down
 alike). The VQA analogue (Table 2 asks VQA v2) and the private-distribution test are
 built on the world's scenes, so they are off.
 What it does not reproduce yet: Flickr30K (above); GRUs with a word vocabulary of
-their own (they read BERT's WordPieces); Table 2 (VQA v2). Rounds, local epochs and
-learning rates are not stated in the paper: they keep the defaults above.
+their own (they read BERT's WordPieces); Table 2 (VQA v2); the server's AdamP with a
+cosine schedule (Sec. 4.1: initial rate 2e-4), which is AdamW at a constant 2e-4 here.
+Rounds, local epochs and the clients' learning rates are not stated in the paper: they
+keep the defaults above.
 """
 
 import ml_collections
@@ -116,8 +118,9 @@ def get_config(arg=None):
   config.eval_every = 4
   config.methods = METHODS
   # Server and clients start from the shipped World-CLIP encoders (pretrained on
-  # 32x32 images), as CreamFL's start from pretrained backbones; pretrained=""
-  # trains from scratch (then image_size=16 is the CPU-friendly choice).
+  # 32x32 images), as the authors' code starts its image clients from ImageNet
+  # ResNet-18 weights (the paper does not say); pretrained="" trains from scratch
+  # (then image_size=16 is the CPU-friendly choice).
   config.pretrained = "world-clip"
   config.image_size = 32  # the world's images, S x S
   config.rep_dim = 64  # d
@@ -261,7 +264,9 @@ def get_config(arg=None):
     config.vqa.batch_size = 8
     config.vqa.hidden = 8
   elif arg == "paper":
-    config.pretrained = ""  # CreamFL's clients train from scratch (FedMuscle App. K)
+    # From scratch, as FedMuscle's App. K runs CreamFL (the authors' code loads ImageNet
+    # ResNet-18 weights for its image clients); the server's BERT is pretrained anyway.
+    config.pretrained = ""
     config.alpha = 0.1
     config.rep_dim = 512
     config.clients.image.num = 10
@@ -273,6 +278,7 @@ def get_config(arg=None):
     config.clients.multimodal.text_encoder = "gru"
     config.server.image_encoder = "vit_b"  # ResNet-101 in the paper
     config.server.text_encoder = f"hf:{PAPER_BERT}"
+    config.server_learning_rate = 2e-4  # Sec. 4.1 (AdamP, cosine; AdamW, constant here)
     # The GRUs cannot read English: they read the server's BERT's WordPiece ids.
     config.data.text_tokenizer = f"hf:{PAPER_BERT}"
     config.creamfl.num_selected = 10

@@ -26,7 +26,7 @@ other modality):
   ``||f_k - a_k||_2``.
 
 The paper writes eqs. (1) and (2) without a temperature; the reference
-implementation divides by one (0.5), so both take ``temperature`` (1 recovers
+implementation divides by a temperature (0.5), so both take ``temperature`` (1 recovers
 the equations as printed). Every function takes representation matrices, returns
 one value per anchor (the caller reduces) and imports only ``jax``.
 """
