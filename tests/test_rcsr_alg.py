@@ -351,6 +351,15 @@ def _assert_close(a, b, atol=2e-6):
     np.testing.assert_allclose(x, y, rtol=2e-4, atol=atol)
 
 
+#: Where a gradient entry is near Adam's epsilon (1e-8), Adam's step m / (sqrt(v) + eps)
+#: turns that gradient's float32 rounding into a visible part of the learning rate: one of
+#: the 64 entries of a pFedMMA client adapter came out 1.3e-5 apart (the setup's lr is
+#: 1e-2) between the engine and the looped reference, which agree in float64
+#: (JAX_ENABLE_X64=1). Half a percent of the learning rate is far below what averaging a
+#: client's own adapters, or training the wrong client, would move them.
+ADAM_ROUNDING_ATOL = 5e-3 * 1e-2
+
+
 def test_fedper_adapters_and_heads_never_leave_the_client(setup, state0, step, update_from):
   """FedPer: each sampled client trains its own adapters + heads (== a looped reference
   started from them), keeps them, and the server's model does not move."""
@@ -400,7 +409,7 @@ def test_pfedmma_shared_adapters_averaged_client_adapters_stay_home(
   )
   _assert_close(s1.params, want)
   for k, (_, new_personal) in zip(idx, news, strict=True):
-    _assert_close(_row(s1.personal, k), new_personal)
+    _assert_close(_row(s1.personal, k), new_personal, atol=ADAM_ROUNDING_ATOL)
     moved = _changed(_row(s1.personal, k), personal, "client_")
     held = [t for t, on in zip(("image_", "text_"), np.asarray(mod[k]), strict=True) if on]
     assert all(max(v for p, v in moved.items() if t in p) > 0 for t in held)
