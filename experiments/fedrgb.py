@@ -29,9 +29,13 @@ Scaled from App. C: 25 -> 10 rounds, 50 -> 20 stage-1 steps (the authors' code's
 stage 2 50 steps, batch 388 -> 32, lr 2e-5 -> 1e-4 (few rounds), ViT-Base / BERT-base ->
 vit_t / transformer_t, 128-d outputs (the authors' code) -> 64; gamma = rho = alpha = 1,
 beta = 2; AdamW with weight decay 0.05 (the authors' code; App. C names no optimiser).
+Client faults are off; ``--config.faults.dropout=0.2`` etc. simulate them
+(:mod:`fedjax_mm.algorithms.fedrgb`'s docstring says what each does here).
 """
 
 import ml_collections
+
+from experiments.faults import faults_config
 
 
 def get_config(arg=None):
@@ -121,6 +125,9 @@ def get_config(arg=None):
       "width": 32,
     }
   )
+  # Simulated client faults of every federated row (Local and Centralised send nothing);
+  # experiments/faults.py: all off.
+  config.faults = faults_config()
   if arg == "ablations":
     config.methods = (
       "fedrgb",

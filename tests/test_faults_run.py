@@ -6,8 +6,9 @@ import pytest
 
 from experiments import creamfl as creamfl_config
 from experiments import fedmuscle as fedmuscle_config
+from experiments import fedrgb as fedrgb_config
 from experiments import fedscmr as fedscmr_config
-from fedjax_mm.runner import creamfl, fedmuscle, fedscmr
+from fedjax_mm.runner import creamfl, fedmuscle, fedrgb, fedscmr
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.writers import read_metrics
 
@@ -29,6 +30,19 @@ SYSTEMS = {
     3,
   ),
   "fedscmr": ("experiments/fedscmr.py:smoke", ("--config.methods=('fedavg','fedscmr')",), "", 3),
+  "fedrgb": (
+    "experiments/fedrgb.py:smoke",
+    # The studies after the last round are tested by test_fedrgb_run; here they would
+    # only add compiles.
+    (
+      "--config.methods=('fedrgb',)",
+      "--config.distortion.enabled=False",
+      "--config.downstream.enabled=False",
+      "--config.segmentation.enabled=False",
+    ),
+    "",
+    3,
+  ),
 }
 
 
@@ -54,7 +68,12 @@ def test_smoke_round_with_every_fault(tmp_path, main_cache, name):
 
 @pytest.mark.parametrize(
   "runner,module",
-  [(fedmuscle, fedmuscle_config), (creamfl, creamfl_config), (fedscmr, fedscmr_config)],
+  [
+    (fedmuscle, fedmuscle_config),
+    (creamfl, creamfl_config),
+    (fedscmr, fedscmr_config),
+    (fedrgb, fedrgb_config),
+  ],
 )
 @pytest.mark.parametrize(
   "key,value,message",

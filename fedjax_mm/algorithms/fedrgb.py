@@ -194,11 +194,37 @@ MAE's ``norm_pix_loss``, which Fed-MAE's scripts set) is minimised. Adaptations:
   distortion study's "own" retraining trains it alongside, from the final one.
 * ``L_task`` sees the unmasked images (the paper does not say whether its adaptation
   contrasts masked images).
+
+**Client faults** (:mod:`fedjax_mm.core.faults`, off by default; ``FedRGB.faults``),
+drawn per round among the clients with data (every client takes part in every round) from
+``fold_in(round_key, SALT)``, for every federated method (FedRGB and its ablations, FedAvg,
+FedEMA, FedX, FedMAE); Local and Centralised communicate nothing and run without them.
+
+* A **straggler** takes ``floor(u * steps)`` of each stage's steps (stage 1, and FedRGB's
+  stage 2, with the same drawn ``u``); the rest leave its parameters and optimiser state
+  as they are (:meth:`FedRGB._train`; the batches are still drawn, so no draw moves).
+* A **dropped** client drops after its DRO loss of the round (sent at the start, eq.
+  (5)) has arrived: that loss still moves the DRO weights ``w``, but its stage-1 update
+  and its stage-2 teacher never arrive, so the aggregations weigh it 0 and renormalise
+  ``w`` over the others (``w`` itself is kept in the state: eq. (5)'s multiplicative
+  step would otherwise keep a zero weight at 0 for good). Under ``dro_source="code"``
+  its post-round loss never arrives and its last one is kept; under FedEMA its kept
+  model, ``lambda_k`` and drift stay as they were. If every client drops, the global
+  model stays as it was.
+* A **Byzantine** client sends a corrupted update of what it sends (the aligners, the
+  encoders if trained, FedMAE's decoder, and FedRGB's stage-2 teacher, each against
+  the start of its stage: :func:`fedjax_mm.core.faults.send_updates`) and, under FedRGB,
+  *reports the DRO loss that maximises its own weight* (:func:`byzantine_dro_reports`):
+  eq. (5) up-weights the clients that report high losses, so an attacker that knows the
+  rule takes as much weight as the chi-square ball allows, the adversarial case for DRO
+  weighting (as FedSCMR's Byzantine clients report what maximises their adaptive weight).
+  Its own stage-1 aligner, which only it reads in stage 2, stays honest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -207,6 +233,7 @@ import optax
 from flax import nnx, struct
 
 from fedjax_mm import losses, models, server
+from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import map_clients
 from fedjax_mm.models import layers
 from fedjax_mm.models import pretrained as pretrained_lib
@@ -423,6 +450,7 @@ class FedRGB:
   encoder_def: nnx.GraphDef
   aligner_def: nnx.GraphDef
   decoder_def: nnx.GraphDef | None = None  # FedMAE's decoder
+  faults: faults_lib.Faults = faults_lib.NONE  # simulated client faults (module docstring)
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -462,11 +490,17 @@ class FedRGB:
 
   # -- one client ------------------------------------------------------------
 
-  def _train(self, loss_fn, params, key, arrays, mask, steps, *, draws=1, keyed=False):
+  def _train(
+    self, loss_fn, params, key, arrays, mask, steps, *, draws=1, keyed=False, max_steps=None
+  ):
     """``steps`` AdamW steps of ``loss_fn(params, batch)`` on batches drawn from ``mask``.
 
     ``draws``: batches drawn per step, concatenated (FedX's second batch of anchors);
-    ``keyed``: ``loss_fn(params, batch, key)`` gets a fresh key each step (FedMAE's masks).
+    ``keyed``: ``loss_fn(params, batch, key)`` gets a fresh key each step (FedMAE's masks);
+    ``max_steps``: a straggler's budget (``int32`` scalar, :mod:`fedjax_mm.core.faults`):
+    the steps from it on leave the parameters and the optimiser state as they are (every
+    batch is still drawn, so the draws do not change), and the mean loss is over the
+    steps taken (0 if none).
     """
     tx = self.tx
     n = mask.shape[0]
@@ -483,22 +517,36 @@ class FedRGB:
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 
-    (params, _), loss = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
-    return params, jnp.mean(loss)
+    keys = jax.random.split(key, steps)
+    if max_steps is None:
+      (params, _), loss = jax.lax.scan(step, (params, tx.init(params)), keys)
+      return params, jnp.mean(loss)
+
+    def budgeted(carry, x):
+      i, k = x
+      new, loss = step(carry, k)
+      taken = i < max_steps
+      return jax.tree.map(lambda a, b: jnp.where(taken, a, b), new, carry), (loss, taken)
+
+    xs = (jnp.arange(steps), keys)
+    (params, _), (loss, taken) = jax.lax.scan(budgeted, (params, tx.init(params)), xs)
+    return params, jnp.sum(jnp.where(taken, loss, 0.0)) / jnp.maximum(jnp.sum(taken), 1)
 
   def stage1_client(
-    self, encoder, aligner, teacher, key, arrays, mask, steps=None, *, decoder=None
+    self, encoder, aligner, teacher, key, arrays, mask, steps=None, *, decoder=None, max_steps=None
   ):
     """Stage 1 of ONE client: returns ``(encoder, aligner, mean loss)``.
 
     ``steps`` (default ``stage1_steps``) lets the distortion study
     (:mod:`fedjax_mm.algorithms.fedrgb_eval`) retrain for longer with the same update.
     FedX and FedMAE: :meth:`ssl_client` (FedMAE reads ``decoder``; its trained
-    decoder is dropped here).
+    decoder is dropped here). ``max_steps``: a straggler's budget (:meth:`_train`).
     """
     cfg = self.config
     if cfg.method in ("fedx", "fedmae"):
-      enc, al, _, loss = self.ssl_client(encoder, aligner, decoder, key, arrays, mask, steps)
+      enc, al, _, loss = self.ssl_client(
+        encoder, aligner, decoder, key, arrays, mask, steps, max_steps=max_steps
+      )
       return enc, al, loss
 
     def loss_fn(params, batch):
@@ -514,7 +562,7 @@ class FedRGB:
 
     params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
     steps = cfg.stage1_steps if steps is None else steps
-    params, loss = self._train(loss_fn, params, key, arrays, mask, steps)
+    params, loss = self._train(loss_fn, params, key, arrays, mask, steps, max_steps=max_steps)
     return (params["encoder"] if cfg.train_encoders else encoder), params["aligner"], loss
 
   def fedx_terms(self, params, start_encoder, start_aligner, batch) -> dict[str, Array]:
@@ -572,18 +620,19 @@ class FedRGB:
     task, rec = self.mae_terms(params, frozen_encoder, batch, key)
     return task + self.config.mae_weight * rec
 
-  def ssl_client(self, encoder, aligner, decoder, key, arrays, mask, steps=None):
+  def ssl_client(self, encoder, aligner, decoder, key, arrays, mask, steps=None, *, max_steps=None):
     """FedX / FedMAE client update: returns ``(encoder, aligner, decoder, mean loss)``."""
     cfg = self.config
     steps = cfg.stage1_steps if steps is None else steps
     params = {"encoder": encoder if cfg.train_encoders else {}, "aligner": aligner}
+    train = functools.partial(self._train, max_steps=max_steps)
     if cfg.method == "fedx":
       loss_fn = lambda p, batch: self.fedx_objective(p, encoder, aligner, batch)
-      params, loss = self._train(loss_fn, params, key, arrays, mask, steps, draws=2)
+      params, loss = train(loss_fn, params, key, arrays, mask, steps, draws=2)
     else:
       params["decoder"] = decoder
       loss_fn = lambda p, batch, k: self.mae_objective(p, encoder, batch, k)
-      params, loss = self._train(loss_fn, params, key, arrays, mask, steps, keyed=True)
+      params, loss = train(loss_fn, params, key, arrays, mask, steps, keyed=True)
     enc = params["encoder"] if cfg.train_encoders else encoder
     return enc, params["aligner"], params.get("decoder"), loss
 
@@ -600,14 +649,15 @@ class FedRGB:
     )
     return per_pair.mean()
 
-  def stage2_client(self, encoder, local_aligner, teacher, key, arrays, mask):
-    """Stage 2 of ONE client: returns ``(teacher, mean L_dro)``."""
+  def stage2_client(self, encoder, local_aligner, teacher, key, arrays, mask, *, max_steps=None):
+    """Stage 2 of ONE client: returns ``(teacher, mean L_dro)``; ``max_steps``: :meth:`_train`."""
 
     def loss_fn(params, batch):
       return self.dro_objective(params["copy"], params["teacher"], encoder, local_aligner, batch)
 
     params = {"copy": encoder, "teacher": teacher}
-    params, loss = self._train(loss_fn, params, key, arrays, mask, self.config.stage2_steps)
+    steps = self.config.stage2_steps
+    params, loss = self._train(loss_fn, params, key, arrays, mask, steps, max_steps=max_steps)
     return params["teacher"], loss
 
   # -- the round ---------------------------------------------------------------
@@ -641,7 +691,11 @@ class FedRGB:
     )
 
   def round(self, state: RgbState, arrays: dict[str, Array], mask: Array):
-    """One round over all ``K`` clients: ``arrays`` ``[K, n, ...]``, ``mask`` ``bool [K, n]``."""
+    """One round over all ``K`` clients: ``arrays`` ``[K, n, ...]``, ``mask`` ``bool [K, n]``.
+
+    With :attr:`faults` on, the federated methods' metrics gain ``fault_counts`` and their
+    ``weights`` are the aggregation weights that acted (0 for a dropped client).
+    """
     cfg = self.config
     k = mask.shape[0]
     key = jax.random.fold_in(state.rng, state.round)
@@ -667,10 +721,11 @@ class FedRGB:
         round=state.round + 1, encoder=encoder, aligner=aligner, teacher=aligner, weights=weights
       )
       return new, {"stage1_loss": loss1, "weights": weights}
+    faults = _RoundFaults.draw(self.faults, key, mask)
     if cfg.method == "fedema":
-      return self._fedema_round(state, arrays, mask, k1)
+      return self._fedema_round(state, arrays, mask, k1, faults)
     if cfg.method in ("fedx", "fedmae"):
-      return self._ssl_round(state, arrays, mask, k1)
+      return self._ssl_round(state, arrays, mask, k1, faults)
     if cfg.method == "fedrgb" and cfg.dro_source == "code":  # last round's losses
       weights = server.dro_update(state.weights, state.dro_losses, gamma=cfg.gamma, rho=cfg.rho)
     elif cfg.method == "fedrgb":
@@ -683,27 +738,41 @@ class FedRGB:
         (batches,),
         spec,
       )
+      # Sent at the start of the round, before any client drops out.
+      v = faults.dro_reports(v, cfg.gamma)
       weights = server.dro_update(state.weights, v, gamma=cfg.gamma, rho=cfg.rho)
       metrics["dro_loss_start"] = v
     else:
       weights = data_size_weights(mask)
+    start = {"encoder": state.encoder if cfg.train_encoders else {}, "aligner": state.aligner}
+    budget = faults.budget(cfg.stage1_steps)
     encs, aligns, loss1 = map_clients(
-      lambda kk, a, m: self.stage1_client(state.encoder, state.aligner, state.teacher, kk, a, m),
-      (jax.random.split(k1, k), arrays, mask),
+      lambda kk, a, m, *b: self.stage1_client(
+        state.encoder, state.aligner, state.teacher, kk, a, m, max_steps=faults.unpack(b)
+      ),
+      (jax.random.split(k1, k), arrays, mask, *budget),
       spec,
     )
-    encoder, aligner = aggregate((encs, aligns), weights)
+    sent = faults.send(0, start, {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns})
+    received = faults.weights(weights)
+    # Frozen encoders are not sent: every client holds the global one.
+    encoder, aligner = aggregate((encs, sent["aligner"]), received)
+    if cfg.train_encoders:
+      encoder = aggregate(sent["encoder"], received)
     metrics["stage1_loss"] = loss1
     teacher = state.teacher
     if cfg.method == "fedrgb" and cfg.teacher == "average":  # "->avg.alig.": no stage 2
       teacher = aligner
     elif cfg.method == "fedrgb":
+      budget = faults.budget(cfg.stage2_steps)
       teachers, loss2 = map_clients(
-        lambda la, kk, a, m: self.stage2_client(encoder, la, state.teacher, kk, a, m),
-        (aligns, jax.random.split(k2, k), arrays, mask),
+        lambda la, kk, a, m, *b: self.stage2_client(
+          encoder, la, state.teacher, kk, a, m, max_steps=faults.unpack(b)
+        ),
+        (aligns, jax.random.split(k2, k), arrays, mask, *budget),
         spec,
       )
-      teacher = aggregate(teachers, weights)
+      teacher = aggregate(faults.send(1, state.teacher, teachers), received)
       aligner = teacher
       metrics["stage2_loss"] = loss2
     dro_losses = state.dro_losses
@@ -715,8 +784,15 @@ class FedRGB:
       dro_losses = map_clients(
         lambda la, b: self.dro_objective(encoder, teacher, encoder, la, b), (aligns, fixed), spec
       )
+      # Sent after the round: a dropped client's never arrives (its last one is kept).
+      dro_losses = faults.after_round(faults.dro_reports(dro_losses, cfg.gamma), state.dro_losses)
       metrics["dro_loss_next"] = dro_losses
-    metrics["weights"] = weights
+    # If every client dropped, nothing arrived: the global model stays as it was.
+    encoder, aligner, teacher = faults.if_any_arrived(
+      (encoder, aligner, teacher), (state.encoder, state.aligner, state.teacher)
+    )
+    metrics["weights"] = received if faults.masks is not None else weights
+    metrics |= faults.counts()
     new = state.replace(
       round=state.round + 1,
       encoder=encoder,
@@ -727,7 +803,7 @@ class FedRGB:
     )
     return new, metrics
 
-  def _fedema_round(self, state: RgbState, arrays, mask, key):
+  def _fedema_round(self, state: RgbState, arrays, mask, key, faults: _RoundFaults):
     """FedEMA: each client starts from the EMA of the global and its own last model."""
     cfg = self.config
     k = mask.shape[0]
@@ -739,17 +815,28 @@ class FedRGB:
       )
     )(state.clients, state.scaler, state.drift)
 
-    def client(st, kk, a, m):
+    def client(st, kk, a, m, *b):
       enc = st["encoder"] if cfg.train_encoders else state.encoder
-      return self.stage1_client(enc, st["aligner"], state.teacher, kk, a, m)
+      return self.stage1_client(
+        enc, st["aligner"], state.teacher, kk, a, m, max_steps=faults.unpack(b)
+      )
 
+    budget = faults.budget(cfg.stage1_steps)
     encs, aligns, loss1 = map_clients(
-      client, (start, jax.random.split(key, k), arrays, mask), cfg.client_map
+      client, (start, jax.random.split(key, k), arrays, mask, *budget), cfg.client_map
     )
-    weights = data_size_weights(mask)  # FedAvg's aggregation
-    encoder, aligner = aggregate((encs, aligns), weights)
     clients = {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns}
+    sent = faults.send(0, start, clients, stacked=True)
+    weights = faults.weights(data_size_weights(mask))  # FedAvg's aggregation
+    encoder, aligner = aggregate((encs, sent["aligner"]), weights)
+    if cfg.train_encoders:
+      encoder = aggregate(sent["encoder"], weights)
     drift = jax.vmap(fedema.layer_divergence)(start, clients)  # this round's training
+    # A dropped client's round is lost on its side too: its last model and scaler stay.
+    clients, scaler, drift = faults.after_round(
+      (clients, scaler, drift), (state.clients, state.scaler, state.drift)
+    )
+    encoder, aligner = faults.if_any_arrived((encoder, aligner), (state.encoder, state.aligner))
     new = state.replace(
       drift=drift,
       round=state.round + 1,
@@ -760,20 +847,35 @@ class FedRGB:
       clients=clients,
       scaler=scaler,
     )
-    return new, {"stage1_loss": loss1, "weights": weights, "ema_mu": mu, "divergence": div}
+    out = {"stage1_loss": loss1, "weights": weights, "ema_mu": mu, "divergence": div}
+    return new, out | faults.counts()
 
-  def _ssl_round(self, state: RgbState, arrays, mask, key):
+  def _ssl_round(self, state: RgbState, arrays, mask, key, faults: _RoundFaults):
     """FedX / FedMAE: every client's update from the global model, then FedAvg."""
     cfg = self.config
     k = mask.shape[0]
+    budget = faults.budget(cfg.stage1_steps)
     encs, aligns, decs, loss1 = map_clients(
-      lambda kk, a, m: self.ssl_client(state.encoder, state.aligner, state.decoder, kk, a, m),
-      (jax.random.split(key, k), arrays, mask),
+      lambda kk, a, m, *b: self.ssl_client(
+        state.encoder, state.aligner, state.decoder, kk, a, m, max_steps=faults.unpack(b)
+      ),
+      (jax.random.split(key, k), arrays, mask, *budget),
       cfg.client_map,
     )
-    weights = data_size_weights(mask)
-    encoder, aligner = aggregate((encs, aligns), weights)
-    decoder = aggregate(decs, weights) if cfg.method == "fedmae" else None
+    mae = cfg.method == "fedmae"
+    start = {"encoder": state.encoder if cfg.train_encoders else {}, "aligner": state.aligner}
+    trained = {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns}
+    if mae:
+      start["decoder"], trained["decoder"] = state.decoder, decs
+    sent = faults.send(0, start, trained)
+    weights = faults.weights(data_size_weights(mask))
+    encoder, aligner = aggregate((encs, sent["aligner"]), weights)
+    if cfg.train_encoders:
+      encoder = aggregate(sent["encoder"], weights)
+    decoder = aggregate(sent["decoder"], weights) if mae else None
+    encoder, aligner, decoder = faults.if_any_arrived(
+      (encoder, aligner, decoder), (state.encoder, state.aligner, state.decoder)
+    )
     new = state.replace(
       round=state.round + 1,
       encoder=encoder,
@@ -782,7 +884,105 @@ class FedRGB:
       weights=weights,
       decoder=decoder,
     )
-    return new, {"stage1_loss": loss1, "weights": weights}
+    return new, {"stage1_loss": loss1, "weights": weights} | faults.counts()
+
+
+#: A Byzantine client's DRO report exceeds the largest honest one by this over ``gamma``:
+#: ``e^30 ~ 1e13``, so before the projection its weight dwarfs every honest client's.
+DRO_SATURATION = 30.0
+
+
+def byzantine_dro_reports(v: Array, byzantine: Array, gamma: float) -> Array:
+  """The DRO losses the server receives when the ``byzantine [K]`` clients lie about theirs.
+
+  Eq. (5) raises a client's weight with its reported loss, so a Byzantine client that
+  knows the rule and the honest reports (the usual worst case) reports the largest honest
+  loss plus ``DRO_SATURATION / gamma``: before the projection it then holds all but
+  ``~e^-30`` of the mass (shared among the Byzantine clients), and after it the most
+  weight that the chi-square ball of radius ``rho`` allows. With ``gamma = 0`` the
+  weights do not read the reports, and they stay honest.
+  """
+  if gamma == 0:
+    return v
+  top = jnp.max(jnp.where(byzantine, -jnp.inf, v))
+  top = jnp.where(jnp.isfinite(top), top, jnp.max(v))  # every client Byzantine
+  return jnp.where(byzantine, top + DRO_SATURATION / gamma, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundFaults:
+  """One round's client faults (:mod:`fedjax_mm.core.faults`) as FedRGB's rounds read them.
+
+  ``masks`` is None when faults are off: then every method is the identity on what it is
+  given, so the fault-free round is the same program as before faults existed.
+  """
+
+  faults: faults_lib.Faults
+  masks: faults_lib.FaultMasks | None = None
+  key: Array | None = None
+  active: Array | None = None  # bool [K]: the clients with data
+
+  @classmethod
+  def draw(cls, faults: faults_lib.Faults, round_key: Array, mask: Array) -> _RoundFaults:
+    """Every client with data takes part in every round; the faults are drawn among them."""
+    if not faults.enabled:
+      return cls(faults)
+    key = jax.random.fold_in(round_key, faults_lib.SALT)
+    active = jnp.any(mask, axis=1)
+    return cls(faults, faults_lib.draw(key, active, faults), key, active)
+
+  def budget(self, steps: int) -> tuple[Array, ...]:
+    """``(int32 [K],)``: each client's steps of a ``steps``-step stage; ``()`` without faults."""
+    if self.masks is None:
+      return ()
+    return (jnp.floor(self.masks.work * steps).astype(jnp.int32),)
+
+  @staticmethod
+  def unpack(budget: tuple[Array, ...]) -> Array | None:
+    return budget[0] if budget else None
+
+  def send(self, index: int, start: PyTree, trained: PyTree, *, stacked: bool = False) -> PyTree:
+    """What arrives of ``trained [K, ...]`` (from ``start``: ``[K, ...]`` if ``stacked``).
+
+    A Byzantine client's update is corrupted, a dropped client's is lost (it holds
+    ``start``; its weight is 0). ``index`` keeps the corruption keys of the stages apart.
+    """
+    if self.masks is None:
+      return trained
+    k = self.masks.dropped.shape[0]
+    if not stacked:
+      start = jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), start)
+    key = faults_lib.corruption_key(self.key, index)
+    return faults_lib.send_updates(key, start, trained, self.masks, self.faults)
+
+  def weights(self, weights: Array) -> Array:
+    """Aggregation weights renormalised over the clients whose update arrived."""
+    if self.masks is None:
+      return weights
+    w = jnp.where(self.masks.dropped, 0.0, weights)
+    return w / jnp.where(jnp.sum(w) > 0, jnp.sum(w), 1.0)
+
+  def dro_reports(self, v: Array, gamma: float) -> Array:
+    """The DRO losses that arrive (:func:`byzantine_dro_reports`)."""
+    if self.masks is None or not self.faults.has_byzantine:
+      return v
+    return byzantine_dro_reports(v, self.masks.byzantine, gamma)
+
+  def after_round(self, new: PyTree, old: PyTree) -> PyTree:
+    """Per client (leaves ``[K, ...]``): ``old`` for the dropped clients, else ``new``."""
+    if self.masks is None:
+      return new
+    return faults_lib.keep_where(self.masks.dropped, old, new)
+
+  def if_any_arrived(self, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` unless every client dropped (then nothing arrived and ``old`` stays)."""
+    if self.masks is None:
+      return new
+    arrived = jnp.any(self.active & ~self.masks.dropped)
+    return jax.tree.map(lambda n, o: jnp.where(arrived, n, o), new, old)
+
+  def counts(self) -> dict[str, Any]:
+    return {} if self.masks is None else {"fault_counts": self.masks.counts()}
 
 
 def dro_subset(mask: Array) -> Array:

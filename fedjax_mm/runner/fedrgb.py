@@ -149,6 +149,7 @@ def validate(config) -> None:
   """
   validation.check_numbers(config, validation.FEDRGB)
   validation.check_client_map(config)
+  validation.check_faults(config)
   if not config.methods:
     raise ConfigError(f"methods is empty; name at least one of {list(ROWS)}.")
   unknown = [m for m in config.methods if m not in ROWS]
@@ -297,6 +298,7 @@ def build(config) -> dict[str, Any]:
     key=jax.random.key(config.seed + 2),
     num_clients=k,
   )
+  faults = validation.check_faults(config)
   algorithms, states = {}, {}
   for m in config.methods:
     method, overrides = ROWS[m]
@@ -311,6 +313,7 @@ def build(config) -> dict[str, Any]:
       base.encoder_def,
       base.aligner_def,
       dec_def,
+      faults=faults,
     )
     algorithms[m] = a
     states[m] = a.init(base_state.rng, base_state.encoder, base_state.aligner, k, dec_params)
@@ -630,6 +633,8 @@ def experiment(config) -> loop.Experiment:
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
+      counts = out.get("fault_counts") or {}
+      values |= {f"faults/{k_}": float(v) for k_, v in counts.items()}
       if m in evals:
         e = evals[m]
         values |= {f"mean/{n}": v for n, v in e["mean"].items()}

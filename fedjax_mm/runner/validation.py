@@ -134,8 +134,7 @@ FINITE = _FINITE
 WORLD_IMAGE_SIZE = Range(16, integer=True)
 WORLD_CAPTION_LEN = Range(8, integer=True)
 
-#: The ``faults`` block of FedMuscle's, CreamFL's and FedSCMR's configs
-#: (:mod:`fedjax_mm.core.faults`).
+#: The ``faults`` block of every system's config (:mod:`fedjax_mm.core.faults`).
 FAULTS: dict[str, Range] = {
   "faults.dropout": FRACTION,
   "faults.stragglers": FRACTION,
@@ -524,6 +523,7 @@ _WORLD_RUN: dict[str, Range] = {
 #: The numbers of ``experiments/fedrgb.py``.
 FEDRGB: dict[str, Range] = {
   **_WORLD_RUN,
+  **FAULTS,
   "dirichlet_alpha": POSITIVE,
   "train_per_client": COUNT,
   "test_per_client": COUNT,  # >= gallery: the runner's check
@@ -560,6 +560,7 @@ FEDRGB: dict[str, Range] = {
 #: The numbers of ``experiments/rcsr.py``.
 RCSR: dict[str, Range] = {
   **_WORLD_RUN,
+  **FAULTS,
   "participation": Range(0, 1, low_open=True),  # C
   "missing_rate": Range(0, 1, high_open=True),  # MR: a client with both modalities stays
   "alpha": POSITIVE,
