@@ -27,6 +27,12 @@ beside FedAvg, one seed::
 
 (``methods`` is a tuple: its repr parses, a comma string does not).
 
+Client faults (``faults``, experiments/faults.py: all off) are simulated in every
+method's round when switched on, e.g. ``--config.faults.dropout=0.3
+--config.faults.byzantine=0.2 --config.faults.byzantine_mode=scaled``; each round's
+``metrics.jsonl`` line of a method then counts them (``faults/dropped``,
+``faults/stragglers``, ``faults/byzantine``).
+
 Scaled from Table 3: 200 -> 20 rounds, T_w 20 -> 5, batch 128 -> 32, adapter 64 -> 16,
 heads 512 -> 512 -> 512 as 64 -> 128 -> 64 (``dim`` 64 is the embedding), router width
 128 -> 32, lr 1e-4 -> 1e-3 and its warm-up 5 -> 2 rounds (few rounds), and K-Means K = 50
@@ -35,6 +41,8 @@ count, 10 in the paper).
 """
 
 import ml_collections
+
+from experiments.faults import faults_config
 
 
 def get_config(arg=None):
@@ -87,6 +95,7 @@ def get_config(arg=None):
       "creamfl_ema": 0.9,  # CreamFL: EMA decay of the global public representations (Sec. 5.1)
     }
   )
+  config.faults = faults_config()  # experiments/faults.py: all off
   if arg == "smoke":
     # pFedMMA: its client-specific adapters go through the resume test (no new compile);
     # MFCPL, FedMEKT and CreamFL: their state (class prototypes, proxy targets, global

@@ -8,7 +8,8 @@ from experiments import creamfl as creamfl_config
 from experiments import fedmuscle as fedmuscle_config
 from experiments import fedrgb as fedrgb_config
 from experiments import fedscmr as fedscmr_config
-from fedjax_mm.runner import creamfl, fedmuscle, fedrgb, fedscmr
+from experiments import rcsr as rcsr_config
+from fedjax_mm.runner import creamfl, fedmuscle, fedrgb, fedscmr, rcsr
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.writers import read_metrics
 
@@ -43,6 +44,8 @@ SYSTEMS = {
     "",
     3,
   ),
+  # 2 of its 4 clients a round; RCSR's other methods run the same round (tests/test_rcsr_faults.py).
+  "rcsr": ("experiments/rcsr.py:smoke", ("--config.methods=('rcsr_p',)",), "", 2),
 }
 
 
@@ -58,11 +61,12 @@ def test_smoke_round_with_every_fault(tmp_path, main_cache, name):
   assert records, "no fault counts in metrics.jsonl"
   for r in records:
     assert r["round"] == 1
-    # round(0.34 * 3) = 1 dropped and 1 Byzantine; stragglers: round(0.5 * 3) = 2 of the
-    # 2 survivors.
-    assert r[f"{prefix}faults/dropped"] == round(0.34 * participants)
+    # Of 3 participants round(0.34 * 3) = 1 drops and 1 is Byzantine; stragglers:
+    # round(0.5 * 3) = 2 of the 2 survivors (of 2: 1 drops, and the survivor is both).
+    dropped = round(0.34 * participants)
+    assert r[f"{prefix}faults/dropped"] == dropped
     assert r[f"{prefix}faults/byzantine"] == round(0.34 * participants)
-    assert r[f"{prefix}faults/stragglers"] == 2
+    assert r[f"{prefix}faults/stragglers"] == min(round(0.5 * participants), participants - dropped)
   assert (workdir / "results.json").exists()
 
 
@@ -73,6 +77,7 @@ def test_smoke_round_with_every_fault(tmp_path, main_cache, name):
     (creamfl, creamfl_config),
     (fedscmr, fedscmr_config),
     (fedrgb, fedrgb_config),
+    (rcsr, rcsr_config),
   ],
 )
 @pytest.mark.parametrize(

@@ -157,6 +157,40 @@ heads, single-modality clients on L_anchor, the EMA prototypes kept as for FedAv
   as a random unit vector per modality, and, like the zero fill, it changes the router's
   input only (the EMA update always uses the EMA fill).
 
+**Client faults** (:mod:`fedjax_mm.core.faults`; :func:`round_step`'s static ``faults``,
+off by default, and off the round is the fault-free program, bit for bit). They are drawn
+each round among the ``floor(C N)`` sampled clients, for every method of this module,
+from ``fold_in(fold_in(rng, t), SALT)`` (the round's key, which the sampling splits, so
+no draw of the fault-free round changes):
+
+* a **straggler** takes only its drawn share of its ``E ceil(n_k / b)`` local steps (the
+  rest are masked as padding steps are); it reports the mean loss of the steps it took
+  (0 if none: the engine's convention) and its prototypes after them.
+* a **dropped** client's round is lost after training has started: nothing it would send
+  arrives (update, ``s_k``, MFCPL's, FedMEKT's or CreamFL's reports). Its weight is 0 and
+  everything renormalises over the survivors: the data-size weights, the router's softmax
+  (its slots get no attention, and L_R reads only the survivors), eq. (11)'s fused
+  weights, the EMA prototypes, MFCPL's class-prototype average, FedMEKT's average and
+  CreamFL's GCA; the q game reads only the survivors' losses (a dropped client's ``q``
+  gets no factor, then ``q`` is renormalised as usual). The round is lost on its side
+  too: its personal adapters, its previous local model (MOON, FedPer) and its last
+  ``w^R`` stay as they were. If every sampled client drops, the server's state (adapters
+  + heads, EMA prototypes, last global update, router and its optimiser, placeholder, q
+  game, class prototypes, public-set embeddings) stays as it was; the round counter
+  still advances.
+* a **Byzantine** survivor sends a corrupted update of the adapters + heads (``Delta_k``
+  replaced by noise or scaled: :func:`fedjax_mm.core.faults.send_updates`), which the
+  aggregate and gamma_k's geometry both read (FedPer aggregates nothing: there only its
+  reports matter), and corrupted representations (:func:`_byzantine_reports`): its
+  prototypes in the modalities it holds (a missing slot still holds the server's EMA
+  prototype), MFCPL's class prototypes (the counts stay honest) and FedMEKT's or
+  CreamFL's public-set embeddings of its modalities. Its reported loss ``l_k`` stays
+  honest (declared): the router is learnt, so no closed-form report maximises the weight
+  it gives (as loss 0 and mAP 1 do under FedSCMR's eq. (13)), and an inflated loss
+  against the q game is another attack, not simulated. What it keeps is what it
+  trained: its personal adapters (RCSR-p, pFedMMA; never sent) and its own local model
+  (MOON's and FedPer's ``previous``).
+
 Choices where the paper is silent (declared):
 
 * Local optimiser: AdamW (lr, weight decay 0.01), reset at every round (clients keep
@@ -193,6 +227,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
 from fedjax_mm.losses import creamfl as CF
 from fedjax_mm.losses import fedmekt as F
@@ -773,6 +808,7 @@ def client_update(
   public: dict[str, Array] | None = None,
   public_targets: Array | None = None,
   cream_reps: tuple[Array, Array] | None = None,
+  max_steps: Array | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, Array]]:
   """Local training of ONE client; returns ``(new global params, new personal, stats)``.
 
@@ -780,7 +816,10 @@ def client_update(
   ``class_prototypes``: MFCPL's global ``[2, C, d]`` (``arrays`` then hold ``label``);
   ``public`` + ``public_targets``: FedMEKT's proxy set and the server's average of its
   embeddings; ``public`` + ``cream_reps``: CreamFL's public set, global and
-  start-of-round representations (see :func:`client_objective`).
+  start-of-round representations (see :func:`client_objective`). ``max_steps``: an
+  ``int32`` scalar, a straggler's budget of real local steps
+  (:func:`fedjax_mm.core.client.local_update`; None: all of them). ``stats`` hold
+  ``loss`` (the mean over the steps taken) and ``steps`` (their number).
   """
   shared_tx = optax.adamw(lr, weight_decay=spec.weight_decay)
   personal_tx = optax.adamw(spec.personal_lr_ratio * lr, weight_decay=spec.weight_decay)
@@ -816,6 +855,7 @@ def client_update(
     sample_mask,
     num_epochs=spec.local_epochs,
     batch_size=spec.batch_size,
+    max_steps=max_steps,
   )
   return params["global"], params["personal"], stats
 
@@ -937,6 +977,7 @@ def round_step(
   mekt: bool = False,
   cream: bool = False,
   public: dict[str, Array] | None = None,
+  faults: faults_lib.Faults = faults_lib.NONE,
 ) -> tuple[RcsrState, dict[str, Array]]:
   """One round of Algorithm 1 for every method (its switches in ``meth``).
 
@@ -965,10 +1006,15 @@ def round_step(
       an EMA (:func:`fedjax_mm.server.rcsr.representation_ema`).
     public: FedMEKT's proxy set / CreamFL's public set, ``image [P, S, S, C]``,
       ``caption [P, L]``.
+    faults: static; the simulated client faults among the round's sampled clients
+      (module docstring, "Client faults"). Off (the default), the round is the
+      fault-free program.
 
   Returns:
     ``(state, metrics)``: metrics hold per-client ``[N]`` values (NaN where unsampled)
-    and scalars.
+    and scalars; with faults on, also ``fault_counts`` (``int32`` scalars ``dropped``,
+    ``stragglers``, ``byzantine``), ``dropped`` (``bool [N]``, the sampled clients that
+    dropped out) and ``steps`` (``[N]``, the local steps each sampled client took).
   """
   n, m = spec.num_clients, spec.per_round
   t = state.round  # rounds completed; this is round t + 1 of Algorithm 1
@@ -1010,9 +1056,9 @@ def round_step(
     # Each client's own adapters + heads are its starting point (mapped, not closed over).
     start = jax.tree.map(take, state.previous)
 
-    def update(own, *rest):
+    def update(own, *rest, **kw):
       return client_update(
-        spec, frozen, meth, own, state.prototypes, lr, personal_on, *rest, **extra
+        spec, frozen, meth, own, state.prototypes, lr, personal_on, *rest, **extra, **kw
       )
 
     mapped = (start,) + mapped
@@ -1029,7 +1075,18 @@ def round_step(
       **extra,
     )
     start = state.params
-  new_global, new_personal, stats = map_clients(update, mapped, spec.client_map)
+  train, masks = update, None
+  if faults.enabled:
+    # The fault key: fold_in(state.rng, t) is the key split above, so no draw of the
+    # fault-free round changes. Masks are over the sampled clients, in idx's order.
+    fault_key = jax.random.fold_in(jax.random.fold_in(state.rng, t), faults_lib.SALT)
+    masks = faults_lib.draw(fault_key, jnp.ones((m,), bool), faults)
+    budget = faults_lib.step_budget(
+      masks.work, c_mask.sum(1), num_epochs=spec.local_epochs, batch_size=spec.batch_size
+    )
+    train = lambda *args: update(*args[:-1], max_steps=args[-1])
+    mapped += (budget,)
+  new_global, new_personal, stats = map_clients(train, mapped, spec.client_map)
 
   def report(p, q, a, mk, md):
     # What a client reports after training: eq. (6)'s prototypes, MFCPL's class
@@ -1050,11 +1107,23 @@ def round_step(
     return out
 
   reports = jax.vmap(report)(new_global, new_personal, c_arrays, c_mask, c_mod)
+  # What the server receives: the trained adapters + heads, or, with faults, the
+  # dropped clients' start (weight 0 below) and the Byzantine clients' corrupted updates;
+  # ``arrived``: the sampled clients whose reports reach it (all of them without faults).
+  received, arrived = new_global, jnp.ones((m,), bool)
+  if masks is not None:
+    arrived = ~masks.dropped
+    starts = start if fedper else jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), start)
+    received = faults_lib.send_updates(
+      faults_lib.corruption_key(fault_key), starts, new_global, masks, faults
+    )
+    if faults.has_byzantine:
+      reports = _byzantine_reports(reports, c_mod, masks.byzantine, fault_key, faults)
   protos = reports["prototypes"]
   if fedper:
-    deltas = jax.vmap(lambda p, p0: _flat(p) - _flat(p0))(new_global, start)
+    deltas = jax.vmap(lambda p, p0: _flat(p) - _flat(p0))(received, start)
   else:
-    deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(new_global)
+    deltas = jax.vmap(lambda p: _flat(p) - _flat(state.params))(received)
   # s_k's prototypes (eq. 6): the missing slot holds the EMA prototype, 0 or the learnt
   # placeholder (C.4 ablations); the EMA update below always uses the EMA fill, so the
   # ablations touch the router only.
@@ -1068,11 +1137,15 @@ def round_step(
     deltas, fill(state.placeholder), c_mod
   )
   loss = stats["loss"]
-  all_true = jnp.ones((m,), bool)
   # Lines 10-13: router after warm-up (RCSR), data-size weights otherwise.
   sizes = c_mask.sum(1)
-  w_data = S.data_weights(sizes, all_true)
+  w_data = S.data_weights(sizes, arrived)
   routed = meth.router & (t >= spec.warmup_rounds)
+  if masks is not None:
+    # With nobody to weigh, the router's softmax is over an empty set (NaN gradients):
+    # it, its optimiser and the placeholder stay as they were.
+    any_arrived = jnp.any(arrived)
+    routed = routed & any_arrived
 
   def router_objective(trained):
     # The placeholder reaches L_R through eq. (9)'s d_k (filled slots are masked out of
@@ -1083,7 +1156,7 @@ def round_step(
       gamma,
       c_mod,
       loss,
-      all_true,
+      arrived,
       state.prototypes,
       heads=spec.router_heads,
       betas=spec.betas,
@@ -1104,41 +1177,61 @@ def round_step(
   # Line 15: the q game over all N clients (RCSR), eq. (11) fused weights.
   full = lambda x: jnp.zeros((n,), x.dtype).at[idx].set(x)
   group = S.client_group(modality)
+  reported = where if masks is None else jnp.zeros((n,), bool).at[idx].set(arrived)
   fair, _ = S.fair_update(
-    state.fair, full(loss), group, where, eta_q=spec.eta_q, momentum=spec.fair_momentum
+    state.fair, full(loss), group, reported, eta_q=spec.eta_q, momentum=spec.fair_momentum
   )
-  fair = jax.tree.map(lambda new, old: jnp.where(meth.fair, new, old), fair, state.fair)
+  play = meth.fair
+  if masks is not None:
+    # With no loss reported, q / sum(q) would still move q's last bits: no game.
+    play = play & any_arrived
+  fair = jax.tree.map(lambda new, old: jnp.where(play, new, old), fair, state.fair)
   q = jnp.where(meth.fair, fair.q[idx], jnp.ones((m,)))
-  w = S.fused_weights(w_r, q, all_true)
+  w = S.fused_weights(w_r, q, arrived)
   # Lines 16-17: global update and EMA prototypes.
   step = jnp.einsum("k,kp->p", w, deltas)
   if fedper:
     params = state.params  # nothing is aggregated
   else:
+    # With every client dropped w = 0, so params = g + 0 = g exactly.
     params = jax.tree.map(
-      lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, new_global
+      lambda g, new: g + jnp.einsum("k,k...->...", w, new - g), state.params, received
     )
   prototypes = S.ema_prototypes(state.prototypes, protos, w, mu=spec.proto_momentum)
+  prev_update = step
+  if masks is not None:
+    # w = 0 would pull the prototypes towards 0 by mu, and a round that moved nothing
+    # would erase the last global update gamma_k compares with.
+    prototypes = jnp.where(any_arrived, prototypes, state.prototypes)
+    prev_update = jnp.where(any_arrived, step, state.prev_update)
   class_prototypes = state.class_prototypes
   if mfcpl:
-    class_prototypes = S.class_prototype_average(*reports["classes"], class_prototypes, all_true)
+    class_prototypes = S.class_prototype_average(*reports["classes"], class_prototypes, arrived)
   public_embeddings = state.public_embeddings
   if mekt:
-    public_embeddings = S.embedding_average(reports["public"], c_mod, public_embeddings, all_true)
+    public_embeddings = S.embedding_average(reports["public"], c_mod, public_embeddings, arrived)
   if cream:
     public_embeddings, _ = S.representation_ema(
       reports["public"],
       c_mod,
       public_embeddings,
-      all_true,
+      arrived,
       decay=spec.cream_decay,
       temperature=spec.cream_gca_temperature,
     )
+  kept, local = routed, new_global
+  if masks is not None:
+    # A dropped client's round is lost on its side too: it keeps its personal state, its
+    # previous local model and its last w^R. (A Byzantine one keeps what it trained.)
+    new_personal = faults_lib.keep_where(masks.dropped, c_personal, new_personal)
+    kept = routed & arrived
+    if moon or fedper:
+      local = faults_lib.keep_where(masks.dropped, jax.tree.map(take, state.previous), local)
   personal = jax.tree.map(lambda all_, new: all_.at[idx].set(new), state.personal, new_personal)
-  last_wr = state.last_wr.at[idx].set(jnp.where(routed, w_router, state.last_wr[idx]))
+  last_wr = state.last_wr.at[idx].set(jnp.where(kept, w_router, state.last_wr[idx]))
   previous = state.previous
   if moon or fedper:
-    previous = jax.tree.map(lambda all_, new: all_.at[idx].set(new), previous, new_global)
+    previous = jax.tree.map(lambda all_, new: all_.at[idx].set(new), previous, local)
   new_state = RcsrState(
     round=t + 1,
     rng=state.rng,
@@ -1148,7 +1241,7 @@ def round_step(
     router_opt=router_opt,
     fair=fair,
     prototypes=prototypes,
-    prev_update=step,
+    prev_update=prev_update,
     last_wr=last_wr,
     previous=previous,
     placeholder=placeholder,
@@ -1158,13 +1251,49 @@ def round_step(
   )
   nan = lambda x: jnp.full((n,), jnp.nan).at[idx].set(x)
   del rng
-  return new_state, {
+  metrics = {
     "loss": nan(loss),
     "weight": nan(w),
     "router_loss": r_loss,
     "lr": lr,
     "sampled": where,
   }
+  if masks is not None:
+    metrics |= {
+      "fault_counts": masks.counts(),
+      "dropped": jnp.zeros((n,), bool).at[idx].set(masks.dropped),
+      "steps": nan(stats["steps"]),
+    }
+  return new_state, metrics
+
+
+def _byzantine_reports(
+  reports: dict[str, Any], modality: Array, byzantine: Array, fault_key: Array, faults
+) -> dict[str, Any]:
+  """The reports the server receives from the round's ``[m]`` sampled clients.
+
+  A Byzantine client's reported representations are corrupted
+  (:func:`fedjax_mm.core.faults.corrupt_representations`, one corruption key each):
+  its prototypes (``[2, d]``), MFCPL's class prototypes (``[2, C, d]``; the counts stay
+  honest, like ``|D_k|``) and the public-set embeddings of FedMEKT / CreamFL
+  (``[2, P, d]``), each in the modalities it holds only: a missing prototype slot holds
+  the server's own EMA prototype, and nothing is sent for a missing modality.
+  """
+  held = lambda x: modality.reshape(modality.shape + (1,) * (x.ndim - 2))
+
+  def corrupt(x, index):
+    key = faults_lib.corruption_key(fault_key, index)
+    bad = faults_lib.corrupt_representations(key, x, byzantine, faults)
+    return jnp.where(held(x), bad, x)
+
+  out = dict(reports)
+  out["prototypes"] = corrupt(reports["prototypes"], 1)
+  if "classes" in reports:
+    class_protos, counts = reports["classes"]
+    out["classes"] = (corrupt(class_protos, 2), counts)
+  if "public" in reports:
+    out["public"] = corrupt(reports["public"], 3)
+  return out
 
 
 def sent_bytes(global_params: PyTree) -> int:

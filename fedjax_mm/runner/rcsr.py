@@ -18,6 +18,12 @@ also CreamFL's public set; MFCPL's classes are the K-Means pseudo-labels above (
 
 Metrics: R@1/5/10 image->text and text->image, Rbar@K = (I2T + T2I) / 2; fairness: std
 of per-client Rbar@1, worst client Rbar@1, best - worst gap; chance level R@K = K / n.
+
+Client faults (``config.faults``, :mod:`fedjax_mm.core.faults`, off by default) are
+simulated in every method's round as :mod:`fedjax_mm.algorithms.rcsr` describes; each
+round logs their counts per method (``faults/dropped``, ``faults/stragglers``,
+``faults/byzantine``), and the ledger charges a dropped client the round's download but
+no upload.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def validate(config) -> None:
   """
   validation.check_numbers(config, validation.RCSR)
   validation.check_client_map(config)
+  validation.check_faults(config)
   n = int(config.num_clients)
   per_round = int(float(config.participation) * n)
   if per_round < 1:
@@ -272,6 +279,7 @@ def experiment(config) -> loop.Experiment:
   # of the round is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
+  faults = validation.check_faults(config)  # static: the round closes over it
   # The round and the evaluation take the data and the frozen encoders as arguments: closed
   # over, each would be a constant of the compiled program (a copy for XLA to fold at compile
   # time, and in every entry of the compilation cache).
@@ -296,6 +304,7 @@ def experiment(config) -> loop.Experiment:
       mekt=mekt,
       cream=cream,
       public=d["public"],
+      faults=faults,
     )
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
@@ -385,6 +394,8 @@ def experiment(config) -> loop.Experiment:
         "mean_train_loss": float(np.nanmean(np.asarray(outs[m]["loss"]))),
         "router_loss": float(outs[m]["router_loss"]),
       }
+      counts = outs[m].get("fault_counts") or {}
+      values |= {f"faults/{k}": float(v) for k, v in counts.items()}
       if m in evals:
         values |= {f"global/{k}": v for k, v in evals[m]["global"].items()}
         values |= {f"fair/{k}": v for k, v in evals[m]["fairness"].items()}
@@ -411,8 +422,11 @@ def experiment(config) -> loop.Experiment:
 
   def traffic(m, out):
     sampled = np.asarray(out["sampled"])
+    uploaded = sampled
+    if "dropped" in out:  # A dropped client received the round's model but sent nothing.
+      uploaded = sampled & ~np.asarray(out["dropped"])
     up = np.where(held == 2, sent[m][2][0], sent[m][1][0])
-    return np.where(sampled, up, 0), np.where(sampled, sent[m][2][1], 0)
+    return np.where(uploaded, up, 0), np.where(sampled, sent[m][2][1], 0)
 
   chance = {f"R@{k}": 100 * min(1.0, k / config.test_per_client) for k in KS}
   chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
