@@ -8,55 +8,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+import rcsr_toys
+from rcsr_toys import MODALITY, PER_ROUND, N
 
 from fedjax_mm.algorithms import rcsr as alg
 from fedjax_mm.data import world
 from fedjax_mm.models import image, text
 
-N, PER_ROUND, SAMPLES = 4, 3, 6
-MODALITY = np.array([[1, 1], [1, 0], [0, 1], [1, 1]], bool)
 _unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
 RNG_PROTOS = _unit(np.random.default_rng(0).normal(size=(N, 2, 8))).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = world.WorldConfig(image_size=16, captions_per_image=2, max_caption_len=12)
-  d = world.generate(0, N * SAMPLES, config=cfg)
-  img = d["image"].reshape(N, SAMPLES, 16, 16, 3)
-  cap = d["caption"].reshape(N, SAMPLES, 2, 12)
-  img = img * MODALITY[:, 0, None, None, None, None]
-  cap = cap * MODALITY[:, 1, None, None, None]
-  labels = np.arange(N * SAMPLES).reshape(N, SAMPLES) % 3  # MFCPL's classes
-  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap), "label": jnp.asarray(labels)}
-  mask = np.ones((N, SAMPLES), bool)
-  mask[3, 4:] = False
-  rngs = nnx.Rngs(0)
-  graphdef, glob, personal, frozen = alg.build_model(
-    image.vit_t(image_size=16, rngs=rngs),
-    text.transformer_t(vocab_size=len(world.VOCAB), max_len=12, rngs=rngs),
-    adapter_dim=8,
-    head_hidden=16,
-    dim=8,
-    personal_hidden=8,
-    key=jax.random.key(1),
-  )
-  spec = alg.RcsrDef(
-    graphdef=graphdef,
-    num_clients=N,
-    per_round=PER_ROUND,
-    rounds=4,
-    dim=8,
-    batch_size=4,
-    lr=1e-2,
-    router_width=16,
-    router_layers=1,
-    warmup_rounds=1,
-    client_map="vmap",
+  return rcsr_toys.tiny(
+    lambda rngs: image.vit_t(image_size=16, rngs=rngs),
+    lambda rngs: text.transformer_t(vocab_size=len(world.VOCAB), max_len=12, rngs=rngs),
+    labels=True,
     num_classes=3,
   )
-  return spec, glob, personal, frozen, arrays, jnp.asarray(mask), jnp.asarray(MODALITY)
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rcsr_toys
 import rounding
-from flax import nnx
+from rcsr_toys import BATCH, PER_ROUND, N
 
 from fedjax_mm.algorithms import rcsr as alg
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.data import world
 from fedjax_mm.models import image, text
 
-N, PER_ROUND, SAMPLES, BATCH = 4, 3, 6, 4
-MODALITY = np.array([[1, 1], [1, 0], [0, 1], [1, 1]], bool)
 #: round(0.01 * 3) = 0: switched on, nobody drawn.
 IDLE = faults_lib.Faults(dropout=0.01)
 #: One of the 3 sampled clients drops, one of the two survivors straggles.
@@ -36,41 +35,14 @@ BYZANTINE = faults_lib.Faults(byzantine_count=1, byzantine_mode="scaled", byzant
 
 @pytest.fixture(scope="module")
 def setup():
-  """tests/test_rcsr_alg.py's clients (paired, image-only, text-only, paired with 4
-  samples), on a ViT and a text Transformer of one block each (fewer compile seconds)."""
-  cfg = world.WorldConfig(image_size=16, captions_per_image=2, max_caption_len=12)
-  d = world.generate(0, N * SAMPLES, config=cfg)
-  img = d["image"].reshape(N, SAMPLES, 16, 16, 3) * MODALITY[:, 0, None, None, None, None]
-  cap = d["caption"].reshape(N, SAMPLES, 2, 12) * MODALITY[:, 1, None, None, None]
-  arrays = {"image": jnp.asarray(img), "caption": jnp.asarray(cap)}
-  mask = np.ones((N, SAMPLES), bool)
-  mask[3, 4:] = False
-  rngs = nnx.Rngs(0)
-  graphdef, glob, personal, frozen = alg.build_model(
-    image.Vit(width=16, depth=1, num_heads=1, image_size=16, rngs=rngs),
-    text.TextTransformer(
+  """tests/rcsr_toys.py's clients on a ViT and a text Transformer of one block each
+  (fewer compile seconds than test_rcsr_alg.py's)."""
+  return rcsr_toys.tiny(
+    lambda rngs: image.Vit(width=16, depth=1, num_heads=1, image_size=16, rngs=rngs),
+    lambda rngs: text.TextTransformer(
       vocab_size=len(world.VOCAB), max_len=12, width=16, depth=1, num_heads=1, rngs=rngs
     ),
-    adapter_dim=8,
-    head_hidden=16,
-    dim=8,
-    personal_hidden=8,
-    key=jax.random.key(1),
   )
-  spec = alg.RcsrDef(
-    graphdef=graphdef,
-    num_clients=N,
-    per_round=PER_ROUND,
-    rounds=4,
-    dim=8,
-    batch_size=BATCH,
-    lr=1e-2,
-    router_width=16,
-    router_layers=1,
-    warmup_rounds=1,
-    client_map="vmap",
-  )
-  return spec, glob, personal, frozen, arrays, jnp.asarray(mask), jnp.asarray(MODALITY)
 
 
 @pytest.fixture(scope="module")
