@@ -662,6 +662,14 @@ class FedRGB:
 
   # -- the round ---------------------------------------------------------------
 
+  def _average(self, encs: PyTree, sent: PyTree, weights: Array) -> tuple[PyTree, PyTree]:
+    """The server's ``(encoder, aligner)``: what arrived (``sent``) averaged by ``weights``.
+
+    Frozen encoders are not sent (every client holds the global one, ``encs``).
+    """
+    encoder = aggregate(sent["encoder"] if self.config.train_encoders else encs, weights)
+    return encoder, aggregate(sent["aligner"], weights)
+
   def init(
     self, key: Array, encoder: PyTree, aligner: PyTree, num_clients: int, decoder: PyTree = None
   ) -> RgbState:
@@ -755,10 +763,7 @@ class FedRGB:
     )
     sent = faults.send(0, start, {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns})
     received = faults.weights(weights)
-    # Frozen encoders are not sent: every client holds the global one.
-    encoder, aligner = aggregate((encs, sent["aligner"]), received)
-    if cfg.train_encoders:
-      encoder = aggregate(sent["encoder"], received)
+    encoder, aligner = self._average(encs, sent, received)
     metrics["stage1_loss"] = loss1
     teacher = state.teacher
     if cfg.method == "fedrgb" and cfg.teacher == "average":  # "->avg.alig.": no stage 2
@@ -791,7 +796,7 @@ class FedRGB:
     encoder, aligner, teacher = faults.if_any_arrived(
       (encoder, aligner, teacher), (state.encoder, state.aligner, state.teacher)
     )
-    metrics["weights"] = received if faults.masks is not None else weights
+    metrics["weights"] = received  # ``weights`` itself without faults
     metrics |= faults.counts()
     new = state.replace(
       round=state.round + 1,
@@ -828,9 +833,7 @@ class FedRGB:
     clients = {"encoder": encs if cfg.train_encoders else {}, "aligner": aligns}
     sent = faults.send(0, start, clients, stacked=True)
     weights = faults.weights(data_size_weights(mask))  # FedAvg's aggregation
-    encoder, aligner = aggregate((encs, sent["aligner"]), weights)
-    if cfg.train_encoders:
-      encoder = aggregate(sent["encoder"], weights)
+    encoder, aligner = self._average(encs, sent, weights)
     drift = jax.vmap(fedema.layer_divergence)(start, clients)  # this round's training
     # A dropped client's round is lost on its side too: its last model and scaler stay.
     clients, scaler, drift = faults.after_round(
@@ -869,9 +872,7 @@ class FedRGB:
       start["decoder"], trained["decoder"] = state.decoder, decs
     sent = faults.send(0, start, trained)
     weights = faults.weights(data_size_weights(mask))
-    encoder, aligner = aggregate((encs, sent["aligner"]), weights)
-    if cfg.train_encoders:
-      encoder = aggregate(sent["encoder"], weights)
+    encoder, aligner = self._average(encs, sent, weights)
     decoder = aggregate(sent["decoder"], weights) if mae else None
     encoder, aligner, decoder = faults.if_any_arrived(
       (encoder, aligner, decoder), (state.encoder, state.aligner, state.decoder)
