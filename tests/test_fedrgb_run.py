@@ -131,6 +131,21 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   assert "| fedrgb" in out and "| local" in out and "| chance" in out
   assert "| centralised" in out and "| fedema" in out
   assert "| fedx" in out and "| fedmae" in out
+  # The retrieval table prints the paper's batch R@1 and R@5, mean and worst client, as
+  # results.json holds them, and a chance cell under every column.
+  lines = out[out.index("| Method      | T2I@1 (batch") :].split("\n\n")[0].splitlines()
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  cells = {
+    row[0]: dict(zip(header, row, strict=True))
+    for row in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    if row[0] in (*config.methods, "chance")
+  }
+  assert set(cells) == {*config.methods, "chance"}
+  g = config.gallery
+  gallery_r5 = reference["methods"]["fedrgb"]["own"]["gallery_t2i_R@5"]
+  assert cells["fedrgb"][f"T2I@5 (batch {g}) worst"] == f"{min(gallery_r5):.1f}"
+  assert cells["fedrgb"][f"T2I@5 (batch {g}) mean"] == f"{np.mean(gallery_r5):.1f}"
+  assert cells["chance"][f"T2I@5 (batch {g}) mean"] == f"{100 * min(1, 5 / g):.1f}"
   k = config.num_clients
   for m in config.methods:
     final = reference["methods"][m]

@@ -120,6 +120,8 @@ ROWS = {
 COLUMNS = (
   ("mean", "gallery_t2i_R@1"),
   ("worst", "gallery_t2i_R@1"),
+  ("mean", "gallery_t2i_R@5"),  # the paper's Recall@5: a text's batch of images
+  ("worst", "gallery_t2i_R@5"),
   ("mean", "i2t_R@1"),
   ("worst", "i2t_R@1"),
   ("mean", "t2i_R@1"),
@@ -344,6 +346,7 @@ def retrieval(z_i: jax.Array, z_t: jax.Array, gallery: int) -> dict[str, jax.Arr
 def column_labels(gallery: int) -> list[str]:
   label = {
     "gallery_t2i_R@1": f"T2I@1 (batch {gallery})",
+    "gallery_t2i_R@5": f"T2I@5 (batch {gallery})",
     "i2t_R@1": "I2T@1",
     "t2i_R@1": "T2I@1",
     "i2t_R@5": "I2T@5",
@@ -356,6 +359,7 @@ def chance_row(chance: dict[str, float]) -> list[str]:
   return (
     ["chance"]
     + [f"{chance['gallery_R@1']:.1f}"] * 2
+    + [f"{chance['gallery_R@5']:.1f}"] * 2
     + [f"{chance['R@1']:.1f}"] * 4
     + [f"{chance['R@5']:.1f}"] * 2
     + [f"{chance['ood_R@1']:.1f}"] * 2
