@@ -458,3 +458,39 @@ def test_distill_weight_acts_through_the_adam_state_the_retrieval_epoch_shares(s
   # 52% after the retrieval epoch.
   assert rel(fresh) < 0.05
   assert rel(shared) > 0.25
+
+
+def test_the_servers_rate_factor_is_read_at_the_states_round(server_setup):
+  """ServerDef.lr_factor scales round r's server updates by lr_factor(r) (the cosine
+  schedule of CreamFL's ``:paper`` server): factor 1 is the constant-rate round, factor 0
+  leaves the model where it is, 0.5 is the optimiser at half the rate. Under SGD, whose
+  step is linear in the gradient; that AdamW's and AdamP's rates scale so too is
+  test_optim's."""
+  server, params, public, *_ = server_setup
+  config = _config()
+
+  def two_rounds(tx, lr_factor=None):
+    s = creamfl.ServerDef(server.graphdef, tx, lr_factor=lr_factor)
+    algorithm = creamfl.server_only(s, config)
+    state = algorithm.init(params, (), jax.random.key(5))
+    round_fn = jax.jit(algorithm.round)
+    first, _ = round_fn(state, public)
+    second, _ = round_fn(first, public)
+    return first.server_params, second.server_params
+
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+  constant = two_rounds(optax.sgd(0.1))
+  # 1 in round 0, 0 in round 1.
+  stepped = two_rounds(optax.sgd(0.1), lambda r: jnp.where(r == 0, 1.0, 0.0))
+  _assert_trees(close, stepped[0], constant[0])
+  _assert_trees(np.testing.assert_array_equal, stepped[1], stepped[0])
+  moved = lambda a, b: max(
+    float(np.max(np.abs(x - y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )  # noqa: E731
+  assert moved(constant[1], constant[0]) > 1e-3
+  halved = two_rounds(optax.sgd(0.1), lambda r: 0.5)
+  reference = two_rounds(optax.sgd(0.05))
+  for h, r in zip(halved, reference, strict=True):
+    _assert_trees(close, h, r)
+  assert moved(halved[1], constant[1]) > 1e-3

@@ -14,11 +14,13 @@ import json
 import experiment_main
 import hf_toys
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tfds_mock_main import coco_captions
 
 from experiments import creamfl as creamfl_config
+from fedjax_mm.core import optim
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner import text as text_lib
@@ -89,6 +91,17 @@ def test_world_default_ignores_the_data_block():
   # The :paper variant reads TFDS, without the world's VQA analogue and private test.
   paper = creamfl_config.get_config("paper")
   assert (paper.data.source, paper.vqa.enabled, paper.test.private_size) == ("tfds", False, 0)
+  # Sec. 4.1's server optimiser: AdamP at 2e-4 under cosine annealing (no weight decay, as
+  # the authors' coco.yaml), built as such.
+  assert (paper.server_optimizer, paper.server_learning_rate) == ("adamp", 2e-4)
+  assert (paper.server_lr_schedule, paper.server_weight_decay) == ("cosine", 0.0)
+  params = {"kernel": jnp.ones((2, 3))}
+  assert isinstance(runner.server_optimizer(paper).init(params), optim.AdamPState)
+  factor = runner.server_lr_factor(paper)
+  assert float(factor(0)) == 1.0 and float(factor(paper.rounds // 2)) == pytest.approx(0.5)
+  smoke = creamfl_config.get_config("smoke")
+  assert runner.server_lr_factor(smoke) is None  # constant AdamW by default
+  assert not isinstance(runner.server_optimizer(smoke).init(params), optim.AdamPState)
   assert dict(paper.data.clients) == {
     "image": "cifar100",
     "text": "ag_news_subset",

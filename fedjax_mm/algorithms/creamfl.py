@@ -123,7 +123,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -134,6 +134,7 @@ from flax import nnx, struct
 from fedjax_mm import losses, models
 from fedjax_mm.algorithms.base import Algorithm
 from fedjax_mm.core import faults as faults_lib
+from fedjax_mm.core import optim
 from fedjax_mm.core.client import (
   ClientData,
   ClientState,
@@ -464,11 +465,16 @@ class ServerDef:
     text_key: the public set's key of the captions its text tower reads: ``caption``
       (the world's ids) or ``caption:<checkpoint>`` (a checkpoint tokenizer's ids;
       :func:`fedjax_mm.runner.text.caption_key`).
+    lr_factor: optional ``round -> factor`` (0-based round) scaling every server
+      update of that round (:func:`fedjax_mm.core.optim.at_rate`: the learning rate's
+      schedule for AdamW / AdamP), e.g. the authors' code's cosine annealing stepped
+      once a round (:func:`fedjax_mm.core.optim.cosine_annealing`); ``None``: constant.
   """
 
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
   text_key: str = CAPTION_KEY
+  lr_factor: Callable[[Array], Array] | None = None
 
   def __post_init__(self):
     if not is_caption_key(self.text_key):
@@ -476,6 +482,12 @@ class ServerDef:
 
   def merge(self, params: PyTree) -> nnx.Module:
     return nnx.merge(self.graphdef, params)
+
+  def tx_at(self, round_index: Array) -> optax.GradientTransformation:
+    """The optimizer of 0-based round ``round_index`` (``tx`` at its rate that round)."""
+    if self.lr_factor is None:
+      return self.tx
+    return optim.at_rate(self.tx, self.lr_factor(round_index))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -899,7 +911,7 @@ def _server_retrieval_epoch(
   objective = server_retrieval_objective(server, public, config.server_temperature)
   params, opt, rng, stats = _public_pass(
     objective,
-    server.tx,
+    server.tx_at(state.round),
     state.server_params,
     state.server_opt,
     state.server_rng,
@@ -1094,7 +1106,7 @@ def creamfl(
     )
     params, opt, rng, kd_stats = _public_pass(
       objective,
-      server.tx,
+      server.tx_at(state.round),
       state.server_params,
       state.server_opt,
       state.server_rng,

@@ -103,7 +103,7 @@ from flax import nnx
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import creamfl, creamfl_baselines, creamfl_fedavg, vqa
 from fedjax_mm.core import ledger as ledger_lib
-from fedjax_mm.core import processes
+from fedjax_mm.core import optim, processes
 from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop, validation
@@ -267,6 +267,12 @@ def validate(config) -> None:
   for key in ("learning_rate", "server_learning_rate"):
     if not config[key] > 0:
       raise ConfigError(f"{key} must be > 0, got {config[key]}.")
+  for key, choices in (
+    ("server_optimizer", SERVER_OPTIMIZERS),
+    ("server_lr_schedule", SERVER_LR_SCHEDULES),
+  ):
+    if config[key] not in choices:
+      raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {config[key]!r}.")
   total = 0
   for name in GROUPS:
     spec = config.clients[name]
@@ -814,8 +820,9 @@ def build(config):
   graphdef, server_params = nnx.split(server_model)
   server = creamfl.ServerDef(
     graphdef,
-    optax.adamw(config.server_learning_rate, weight_decay=config.weight_decay),
+    server_optimizer(config),
     text_key=text_key(config, config.server.text_encoder),
+    lr_factor=server_lr_factor(config),
   )
 
   spaces = text_spaces(config)
@@ -896,6 +903,38 @@ def r1_sum(recall: Mapping[str, Mapping[str, float]], sizes: Sequence[int]) -> f
 def rsum(recall: Mapping[str, Mapping[str, float]], sizes: Sequence[int]) -> float:
   """All six recalls summed over the test sizes."""
   return sum(recall[size_label(n)][k] for n in sizes for k in RECALL_KEYS)
+
+
+#: ``server_optimizer``'s choices: the default AdamW, or the paper's AdamP (Sec. 4.1).
+SERVER_OPTIMIZERS = ("adamw", "adamp")
+#: ``server_lr_schedule``'s: constant, or cosine annealing over the run's rounds (Sec. 4.1).
+SERVER_LR_SCHEDULES = ("constant", "cosine")
+
+
+def server_optimizer(config) -> optax.GradientTransformation:
+  """The server's optimizer (steps 1 and 7): AdamW, or AdamP as the authors' code runs it.
+
+  Both at ``server_learning_rate`` with decoupled weight decay ``server_weight_decay``;
+  AdamP (:func:`fedjax_mm.core.optim.adamp`) with the ``adamp`` package's defaults
+  (``delta = 0.1``, ``wd_ratio = 0.1``), as the code's ``optimizers.py`` builds it.
+  """
+  lr, wd = config.server_learning_rate, config.server_weight_decay
+  if config.server_optimizer == "adamp":
+    return optim.adamp(lr, weight_decay=wd)
+  return optax.adamw(lr, weight_decay=wd)
+
+
+def server_lr_factor(config):
+  """``round -> factor`` of the server's rate: ``None`` (constant) or cosine annealing.
+
+  ``cosine``: PyTorch's ``CosineAnnealingLR(T_max=rounds)`` stepped after every round,
+  as the authors' code steps it (``T_max = 30``, its default number of rounds); here
+  ``T_max`` is the run's ``rounds``.
+  """
+  if config.server_lr_schedule == "constant":
+    return None
+  rounds = int(config.rounds)
+  return lambda r: optim.cosine_annealing(r, rounds)
 
 
 def chance_recall(

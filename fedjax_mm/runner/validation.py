@@ -217,6 +217,7 @@ CREAMFL: dict[str, Range] = {
   "learning_rate": POSITIVE,
   "server_learning_rate": POSITIVE,
   "weight_decay": NON_NEGATIVE,
+  "server_weight_decay": NON_NEGATIVE,
   "checkpoint_every": COUNT,
   "devices": COUNT,  # at most this process's devices: check_devices
   "clients.image.num": COUNT,
