@@ -74,7 +74,10 @@ code's 768-2048-128 heads):
   optimiser), fresh state every stage and round (the code re-creates its
   optimiser per round).
 * No extra round for the guidance: App. C runs "an extra communication" to
-  obtain it; here round 1's stage 1 is guided by the initial aligner. With
+  obtain it; here round 1's stage 1 is guided by the initial aligner. The
+  authors' code runs no round before the first either (``FedAvg_SLIA_HC.py``):
+  its first round's guiding aligners are freshly initialised modules of their own
+  (``SLIA_module.py``), set from the averaged aligners only after stage 1. With
   frozen encoders and eq. (12) stage 1 cannot change the result (above); with
   ``train_encoders`` the first round's guidance pulls towards that aligner.
 
