@@ -128,8 +128,9 @@ def adamp(
   """
 
   def init(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return AdamPState(jnp.zeros([], jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+    # Two trees of zeros, not one shared: a donated state must not alias its buffers.
+    mu, nu = (jax.tree.map(jnp.zeros_like, params) for _ in range(2))
+    return AdamPState(jnp.zeros([], jnp.int32), mu, nu)
 
   def update(grads, state, params=None):
     if params is None:
