@@ -1112,8 +1112,7 @@ def experiment(config) -> loop.Experiment:
         values[f"{m}/server_loss"] = float(outs[m]["server_loss"])
       if m in ROWS:
         values[f"{m}/kd_loss"] = float(outs[m]["kd_loss"])
-        counts = outs[m].get("fault_counts") or {}
-        values |= {f"{m}/faults/{k}": float(v) for k, v in counts.items()}
+        values |= loop.fault_scalars(outs[m], prefix=f"{m}/")
       if m in evals:
         values[f"{m}/R@1_sum"] = r1_sum(evals[m], sizes)
         for test_name, recall in evals[m].items():

@@ -865,7 +865,7 @@ def experiment(config) -> loop.Experiment:
         if key in outs[name]:
           losses = np.asarray(outs[name][key])
           values |= {f"{users[i].name}/{key}": float(v) for i, v in enumerate(losses)}
-      values |= _fault_scalars(outs[name])
+      values |= loop.fault_scalars(outs[name])
       rows.append((name, values))
     return rows + [(m, {"delta": _delta(evals[m], evals["local"])[0]}) for m in others]
 
@@ -889,12 +889,6 @@ def experiment(config) -> loop.Experiment:
     traffic=lambda name, out: sent.get(name),
     postfix=postfix,
   )
-
-
-def _fault_scalars(out) -> dict[str, float]:
-  """``faults/dropped``, ``faults/stragglers``, ``faults/byzantine`` of a round (if simulated)."""
-  counts = out.get("fault_counts") or {}
-  return {f"faults/{k}": float(v) for k, v in counts.items()}
 
 
 def run(

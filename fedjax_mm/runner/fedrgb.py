@@ -637,8 +637,7 @@ def experiment(config) -> loop.Experiment:
         if name in out:
           values[name] = float(np.mean(np.asarray(out[name])))
       values["max_weight"] = float(np.max(np.asarray(out["weights"])))
-      counts = out.get("fault_counts") or {}
-      values |= {f"faults/{k_}": float(v) for k_, v in counts.items()}
+      values |= loop.fault_scalars(out)
       if m in evals:
         e = evals[m]
         values |= {f"mean/{n}": v for n, v in e["mean"].items()}

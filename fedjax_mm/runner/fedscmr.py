@@ -620,8 +620,7 @@ def experiment(config) -> loop.Experiment:
         values[f"{name}/train_loss"] = float(outs[m]["loss"][i])
         values[f"{name}/val_map"] = float(outs[m]["map"][i])
         values[f"{name}/weight"] = float(weights[i])
-      counts = outs[m].get("fault_counts") or {}
-      values |= {f"faults/{k}": float(v) for k, v in counts.items()}
+      values |= loop.fault_scalars(outs[m])
       rows.append((m, values))
     return rows
 

@@ -159,6 +159,17 @@ class Outcome(NamedTuple):
   resumed_at: int
 
 
+def fault_scalars(out: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+  """A round's simulated-fault counts as metrics (none when it simulated no faults).
+
+  ``<prefix>faults/dropped``, ``.../stragglers`` and ``.../byzantine`` from
+  ``out["fault_counts"]`` (:meth:`fedjax_mm.core.faults.FaultMasks.counts`); every
+  runner logs them in each round's ``metrics.jsonl`` line.
+  """
+  counts = out.get("fault_counts") or {}
+  return {f"{prefix}faults/{k}": float(v) for k, v in counts.items()}
+
+
 def _no_traffic(method: str, out: Any) -> None:
   del method, out
 

@@ -394,8 +394,7 @@ def experiment(config) -> loop.Experiment:
         "mean_train_loss": float(np.nanmean(np.asarray(outs[m]["loss"]))),
         "router_loss": float(outs[m]["router_loss"]),
       }
-      counts = outs[m].get("fault_counts") or {}
-      values |= {f"faults/{k}": float(v) for k, v in counts.items()}
+      values |= loop.fault_scalars(outs[m])
       if m in evals:
         values |= {f"global/{k}": v for k, v in evals[m]["global"].items()}
         values |= {f"fair/{k}": v for k, v in evals[m]["fairness"].items()}
