@@ -260,8 +260,9 @@ def evaluate(
   (one ``key``); they differ only in ``sees_image`` (:func:`head_logits`).
 
   Returns:
-    ``{"accuracy", "blind_accuracy", "majority_accuracy": [] and "per_type",
-    "blind_per_type", "majority_per_type": [num_types]}``, fractions in ``[0, 1]``.
+    Fractions in ``[0, 1]``, a dict of ``accuracy``, ``blind_accuracy`` and
+    ``majority_accuracy`` (scalars) and of ``per_type``, ``blind_per_type`` and
+    ``majority_per_type`` (``[num_types]`` each).
   """
   sizes = {"num_types": num_types, "num_answers": num_answers, "hidden": hidden}
 

@@ -318,8 +318,8 @@ class Ledger:
     """The JSON-ready record of one round (default: the last recorded one).
 
     Returns:
-      ``{"round": r, "up_bytes": [per user], "down_bytes": [per user],
-      "total_up": int, "total_down": int}``.
+      The record, a dict of ``round``, ``up_bytes`` and ``down_bytes`` (per user),
+      ``total_up`` and ``total_down`` (ints).
 
     Raises:
       KeyError: if that round was never recorded.

@@ -6,11 +6,11 @@ returns one loss value per anchor; the caller reduces (``.mean()``). They import
 only ``jax`` and are safe under ``jit``, ``vmap`` and ``grad``.
 
 References:
-  [Oord et al., 2018] Representation Learning with Contrastive Predictive
+  - [Oord et al., 2018] Representation Learning with Contrastive Predictive
     Coding. arXiv:1807.03748.
-  [Radford et al., 2021] Learning Transferable Visual Models From Natural
+  - [Radford et al., 2021] Learning Transferable Visual Models From Natural
     Language Supervision (CLIP).
-  FedMuscle paper, eq. (1) (InfoNCE) and Section 4.1 (pairwise alignment).
+  - FedMuscle paper, eq. (1) (InfoNCE) and Section 4.1 (pairwise alignment).
 """
 
 from __future__ import annotations

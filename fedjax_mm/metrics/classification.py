@@ -7,9 +7,9 @@ once with ``jax.vmap`` over a leading client axis. Only ``jax`` is imported;
 everything is safe under ``jit`` and ``vmap``.
 
 References:
-  FedMuscle paper, Section 6 ("Performance Metrics"): accuracy for the image
+  - FedMuscle paper, Section 6 ("Performance Metrics"): accuracy for the image
     and text classification tasks, micro-F1 for multi-label classification.
-  [Wu & Zhou, 2017] A Unified View of Multi-Label Performance Measures (ICML).
+  - [Wu & Zhou, 2017] A Unified View of Multi-Label Performance Measures (ICML).
 """
 
 from __future__ import annotations

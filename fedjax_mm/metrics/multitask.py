@@ -7,9 +7,9 @@ FedMuscle paper summarises an algorithm by the mean over users of the relative
 change of each user's own metric against the same user trained locally.
 
 References:
-  FedMuscle paper, Section 6 ("Performance Metrics") and Appendix
+  - FedMuscle paper, Section 6 ("Performance Metrics") and Appendix
     ("Performance Metric for Federated Multi-Task Learning").
-  [Maninis et al., 2019] Attentive Single-Tasking of Multiple Tasks (CVPR).
+  - [Maninis et al., 2019] Attentive Single-Tasking of Multiple Tasks (CVPR).
 """
 
 from __future__ import annotations

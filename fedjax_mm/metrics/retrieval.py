@@ -24,14 +24,14 @@ per-round evaluation does not recompile; they also work inside ``jit`` and
 ``vmap`` (e.g. over clients, with ``query_where`` / ``database_where`` masks).
 
 References:
-  [Karpathy & Fei-Fei, 2015] Deep Visual-Semantic Alignments for Generating
+  - [Karpathy & Fei-Fei, 2015] Deep Visual-Semantic Alignments for Generating
     Image Descriptions (the 5K / 1K MS-COCO splits).
-  [Faghri et al., 2018] VSE++: Improving Visual-Semantic Embeddings with Hard
+  - [Faghri et al., 2018] VSE++: Improving Visual-Semantic Embeddings with Hard
     Negatives (Recall@K with five captions per image).
-  CreamFL paper and FedMuscle paper, Section 6: i2t / t2i Recall@{1, 5, 10}.
-  FedSCMR paper, Section 6.1 and Tables 1-4: mAP@N and NDCG@N, N in {10, 20, 30,
+  - CreamFL paper and FedMuscle paper, Section 6: i2t / t2i Recall@{1, 5, 10}.
+  - FedSCMR paper, Section 6.1 and Tables 1-4: mAP@N and NDCG@N, N in {10, 20, 30,
     50}; it does not define mAP@N, which follows DSCMR's code (fx_calc_map_label).
-  [Jarvelin & Kekalainen, 2002] Cumulated Gain-Based Evaluation of IR
+  - [Jarvelin & Kekalainen, 2002] Cumulated Gain-Based Evaluation of IR
     Techniques (NDCG).
 """
 

@@ -14,10 +14,10 @@ Binary Dice (:func:`dice`) is dataset-level in the same way: one ratio of the
 foreground counts summed over every valid pixel of the set.
 
 References:
-  FedMuscle paper, Section 6 ("Performance Metrics"): mIoU for the semantic
+  - FedMuscle paper, Section 6 ("Performance Metrics"): mIoU for the semantic
     segmentation task.
-  FedRGB paper, Sec. 5 / App. C.2: the Dice score of RSNA segmentation.
-  [Everingham et al., 2010] The Pascal Visual Object Classes (VOC) Challenge.
+  - FedRGB paper, Sec. 5 / App. C.2: the Dice score of RSNA segmentation.
+  - [Everingham et al., 2010] The Pascal Visual Object Classes (VOC) Challenge.
     IJCV 88(2).
 """
 

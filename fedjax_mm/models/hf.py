@@ -11,15 +11,25 @@ OIHW). :func:`load` reads the config, builds the matching module and fills it::
   states, pooled = model(ids, mask)                    # [b, L, 384], [b, 384]
   sentence = hf.mean_pool(states, mask)                # sentence-transformers' embedding
 
-| ``model_type``        | module                                   | input                    |
-|-----------------------|------------------------------------------|--------------------------|
-| ``bert`` (MiniLM, ..) | :class:`~.hf_bert.BertModel`              | ``(input_ids, mask)``    |
-| ``distilbert``        | :class:`~.hf_distilbert.DistilBertModel`  | ``(input_ids, mask)``    |
-| ``vit``               | :class:`~.hf_vit.ViTModel`                | ``[b, H, W, C]`` pixels  |
-| ``clip``              | :class:`~.hf_clip.CLIPModel` (both towers, projections, ``logit_scale``) | both |
-| ``clip_text_model``   | :class:`~.hf_clip.CLIPTextTransformer`    | ``(input_ids, mask)``    |
-| ``clip_vision_model`` | :class:`~.hf_clip.CLIPVisionTransformer`  | ``[b, H, W, C]`` pixels  |
-| ``segformer``         | :class:`~.hf_segformer.SegformerModel` (+ ``decode_head`` if the checkpoint has it) | ``[b, H, W, C]`` pixels |
++-----------------------+---------------------------------------------+-------------------------+
+| ``model_type``        | module                                      | input                   |
++=======================+=============================================+=========================+
+| ``bert`` (MiniLM, ..) | :class:`~.hf_bert.BertModel`                | ``(input_ids, mask)``   |
++-----------------------+---------------------------------------------+-------------------------+
+| ``distilbert``        | :class:`~.hf_distilbert.DistilBertModel`    | ``(input_ids, mask)``   |
++-----------------------+---------------------------------------------+-------------------------+
+| ``vit``               | :class:`~.hf_vit.ViTModel`                  | ``[b, H, W, C]`` pixels |
++-----------------------+---------------------------------------------+-------------------------+
+| ``clip``              | :class:`~.hf_clip.CLIPModel` (both towers,  | both                    |
+|                       | projections, ``logit_scale``)               |                         |
++-----------------------+---------------------------------------------+-------------------------+
+| ``clip_text_model``   | :class:`~.hf_clip.CLIPTextTransformer`      | ``(input_ids, mask)``   |
++-----------------------+---------------------------------------------+-------------------------+
+| ``clip_vision_model`` | :class:`~.hf_clip.CLIPVisionTransformer`    | ``[b, H, W, C]`` pixels |
++-----------------------+---------------------------------------------+-------------------------+
+| ``segformer``         | :class:`~.hf_segformer.SegformerModel`      | ``[b, H, W, C]`` pixels |
+|                       | (+ ``decode_head`` if the checkpoint has it)|                         |
++-----------------------+---------------------------------------------+-------------------------+
 
 Encoders return :class:`~.hf_layers.EncoderOutput` ``(states, pooled)``;
 SegFormer returns :class:`~.hf_segformer.SegformerOutput` (per-stage maps,

@@ -14,14 +14,21 @@ The encoders are pure functions of their parameters: normalisation is
 GroupNorm (CNNs) or LayerNorm (ViTs), never BatchNorm, and nothing is random at
 call time, so a stacked pytree of many clients' states runs under ``jax.vmap``.
 
-| name         | kind                                    | features |
-|--------------|-----------------------------------------|----------|
-| ``cnn_s``    | 3 conv3x3 (32-64-64), GN, ReLU           | 64       |
-| ``cnn_m``    | 5 conv3x3 (32-64-64-128-128)             | 128      |
-| ``resnet_t`` | s2 stem + 3 basic blocks (32-64-128)     | 128      |
-| ``vit_t``    | patch 4, width 64, depth 2, 2 heads      | 64       |
-| ``vit_s``    | patch 4, width 96, depth 4, 3 heads      | 96       |
-| ``vit_b``    | patch 4, width 128, depth 6, 4 heads     | 128      |
++--------------+--------------------------------------+----------+
+| name         | kind                                 | features |
++==============+======================================+==========+
+| ``cnn_s``    | 3 conv3x3 (32-64-64), GN, ReLU       | 64       |
++--------------+--------------------------------------+----------+
+| ``cnn_m``    | 5 conv3x3 (32-64-64-128-128)         | 128      |
++--------------+--------------------------------------+----------+
+| ``resnet_t`` | s2 stem + 3 basic blocks (32-64-128) | 128      |
++--------------+--------------------------------------+----------+
+| ``vit_t``    | patch 4, width 64, depth 2, 2 heads  | 64       |
++--------------+--------------------------------------+----------+
+| ``vit_s``    | patch 4, width 96, depth 4, 3 heads  | 96       |
++--------------+--------------------------------------+----------+
+| ``vit_b``    | patch 4, width 128, depth 6, 4 heads | 128      |
++--------------+--------------------------------------+----------+
 
 (ViT MLPs have hidden width 2 x width.)
 

@@ -12,11 +12,15 @@ PAD steps. Appending PAD tokens, or changing what a PAD position embeds to,
 leaves ``pooled`` and the non-PAD ``tokens`` unchanged. An all-PAD row gives a
 zero pooled vector (finite, with finite gradients).
 
++-------------------+-----------------------------------------------+----------+
 | name              | kind                                          | features |
-|-------------------|-----------------------------------------------|----------|
-| ``transformer_t`` | width 64, depth 2, 2 heads, masked mean pool   | 64       |
-| ``transformer_s`` | width 128, depth 4, 4 heads, masked mean pool  | 128      |
-| ``gru``           | embed 64, GRU 128, state at the last non-PAD   | 128      |
++===================+===============================================+==========+
+| ``transformer_t`` | width 64, depth 2, 2 heads, masked mean pool  | 64       |
++-------------------+-----------------------------------------------+----------+
+| ``transformer_s`` | width 128, depth 4, 4 heads, masked mean pool | 128      |
++-------------------+-----------------------------------------------+----------+
+| ``gru``           | embed 64, GRU 128, state at the last non-PAD  | 128      |
++-------------------+-----------------------------------------------+----------+
 
 LoRA adapters (``lora_rank > 0``) go on the attention/MLP dense layers of the
 Transformers and on the input and recurrent projections of the GRU.

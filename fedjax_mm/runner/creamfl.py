@@ -639,9 +639,9 @@ def vqa_accuracy(config, graphdef, params, qa: VqaData) -> dict[str, Any]:
   the seed's), so rows differ only by their features.
 
   Returns:
-    ``{"accuracy", "blind_accuracy", "majority_accuracy": float, "per_type",
-    "blind_per_type", "majority_per_type": {type: float}}``, percentages; the
-    majority's depend on the data only.
+    Percentages, a dict of ``accuracy``, ``blind_accuracy`` and ``majority_accuracy``
+    (floats) and of ``per_type``, ``blind_per_type`` and ``majority_per_type``
+    (``{type: float}`` each); the majority's depend on the data only.
   """
   c = config.vqa
   out = _vqa_step(
