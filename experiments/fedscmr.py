@@ -41,7 +41,7 @@ Variant ``:paper`` is the paper's Wikipedia setup (Sec. 5): three clients on the
 Wikipedia dataset's 2,866 image-text pairs of 10 classes, as 4,096-d VGG-19 fc7
 image features and 1,024-d sentence-BERT text features, read from
 :data:`PAPER_FEATURES` (``image [n, 4096]``, ``text [n, 1024]``, ``labels [n]``;
-README "Running at paper scale"); without that file the run stops at validation
+docs/guides/paper_scale.md); without that file the run stops at validation
 in one line naming it (exit 2). alpha = beta = 0.1 and gamma = 30 (its best,
 Figs. 4-6), mAP@N and NDCG@N for N = 10, 20, 30, 50. The paper does not state
 the clients' class subsets and sizes, the rounds, epochs, batch size, learning

@@ -18,7 +18,7 @@ RCSR and RCSR-p; ``:baselines`` runs FedAvg, FedProx, MFCPL, FedPer, pFedMMA, MO
 FedMEKT, CreamFL, RCSR and RCSR-p (FedPer's global row: the mean over clients of their
 own models; CreamFL: GCA of the clients' public-set representations, kept as an EMA of
 decay 0.9, beside FedAvg of the adapters + heads); ``:sweeps`` is Figure 5's lineup
-(FedAvg, CreamFL, RCSR) for the one-factor sweeps run by overrides (README);
+(FedAvg, CreamFL, RCSR) for the one-factor sweeps run by overrides (docs/results/rcsr.md);
 ``:smoke`` is tiny (tests). One row
 beside FedAvg, one seed::
 
@@ -152,7 +152,7 @@ def get_config(arg=None):
     )
   elif arg == "sweeps":
     # Figure 5's robustness sweeps, one factor at a time from this default through
-    # command-line overrides (README: missing_rate, alpha, participation, and num_clients
+    # command-line overrides (docs/results/rcsr.md: missing_rate, alpha, participation, and num_clients
     # with train_per_client scaled so the total training data stays ~768 pairs, as the
     # paper's "fewer samples per client"). FedAvg, CreamFL (the strongest baseline there)
     # and RCSR.

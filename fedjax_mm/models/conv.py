@@ -40,7 +40,7 @@ than the copy it replaced); the first layer's 27-wide patch rows padded with
 zeros to 32 (with the barrier after the padding 0.98x of it in both
 precisions; with the barrier on the input 1.027x in float32 but 1.035x in
 bfloat16, below the barrier after the padding's 1.067x).
-The README's GPU section has the figures.
+The GPU section of docs/engine.md has the figures.
 
 Padding is ``"SAME"`` exactly as XLA computes it
 (``lax.padtype_to_pads``), so the two implementations agree for every stride,

@@ -65,7 +65,7 @@ class Standardize(nnx.Module):
   papers' encoders' features on one scale. Raw World-CLIP CNN features are
   averages of ReLU maps whose dimensions differ in scale by up to 7x (cnn_m),
   and a head trained on them under Adam with 50-200 samples learns less
-  (README, Pretrained foundations). ``mean`` and ``std`` are :class:`FeatureStat` variables, so
+  (docs/guides/pretrained.md). ``mean`` and ``std`` are :class:`FeatureStat` variables, so
   ``nnx.Param`` filters (what an optimiser trains, what FedAvg averages) skip them.
   """
 
