@@ -78,3 +78,49 @@ def test_every_import_is_installed_by_the_install_or_its_documented_extra():
     if not names & (required | brought):
       missing[module] = (sorted(names), files[:3])
   assert not missing, f"imported but not installed by `pip install -e .`: {missing}"
+
+
+def _pins() -> dict[str, str]:
+  pins = {}
+  for line in (ROOT / "constraints.txt").read_text().splitlines():
+    line = line.split("#", 1)[0].strip()
+    if line:
+      name, version = line.split("==")
+      pins[_name(name)] = version
+  return pins
+
+
+def test_constraints_pin_every_requirement_within_its_range():
+  """``constraints.txt`` is the tested set: one version for every requirement of the install and
+  of the test and docs extras, each inside the range ``setup.cfg`` gives."""
+  from packaging.requirements import Requirement
+
+  config = configparser.ConfigParser()
+  config.read(ROOT / "setup.cfg")
+  sections = [config["options"]["install_requires"]]
+  sections += [config["options.extras_require"][extra] for extra in ("test", "docs")]
+  pins = _pins()
+  checked = 0
+  for section in sections:
+    for line in section.splitlines():
+      line = line.strip()
+      if not line or line.startswith("#"):
+        continue
+      requirement = Requirement(line)
+      name = _name(requirement.name)
+      assert name in pins, f"{name} has no pin in constraints.txt"
+      assert requirement.specifier.contains(pins[name]), (
+        name,
+        str(requirement.specifier),
+        pins[name],
+      )
+      checked += 1
+  assert checked >= 20  # the parse found the requirements
+
+
+def test_experiments_is_a_folder_not_an_installed_package():
+  config = configparser.ConfigParser()
+  config.read(ROOT / "setup.cfg")
+  included = config["options.packages.find"]["include"].split()
+  assert included == ["fedjax_mm", "fedjax_mm.*"]
+  assert (ROOT / "experiments" / "main.py").exists()
