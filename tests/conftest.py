@@ -52,12 +52,58 @@ SLOW_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items):
-  """Orders the collected tests by :data:`SLOW_FIRST`, files otherwise as collected.
+#: Files whose every test runs the library's loop in subprocesses (several processes, or a
+#: run killed and resumed): end to end, though they use no ``main_cache``.
+E2E_FILES = ("test_benchmarks.py", "test_distributed.py", "test_runner_loop.py")
 
-  The sort is stable: a file's tests keep their order, and every process collects
-  the same order, as xdist requires.
+#: In-process files that take longest (measured on 2 cores); with the e2e tests they form
+#: the slow tier, so that ``-m "not slow"`` runs in a few minutes.
+SLOW_FILES = (
+  "test_rcsr_alg.py",
+  "test_fedmuscle_baselines.py",
+  "test_fedmuscle_ssl.py",
+  "test_faults.py",
+  "test_creamfl.py",
+  "test_fedmuscle.py",
+  "test_fedrgb.py",
+  "test_paper_configs.py",
+)
+
+#: Single slow tests (``file::name``, every parametrisation) of files that are otherwise fast:
+#: whole rounds compared across device counts or paddings, pretraining runs.
+SLOW_TESTS = (
+  "test_cost.py::test_method_costs_split_users_and_server",
+  "test_creamfl_run.py::test_padding_clients_change_no_draw_and_no_result",
+  "test_creamfl_run.py::test_padding_clients_change_no_fedavg_tower",
+  "test_creamfl_spaces.py::test_mixed_spaces_round_on_the_world",
+  "test_fedmuscle_hf.py::test_fedmuscle_round_with_an_hf_text_user",
+  "test_fedmuscle_token_spaces.py::test_a_round_with_three_token_spaces",
+  "test_fedrgb_run.py::test_devices_split_the_clients",
+  "test_fedscmr_run.py::test_devices_spread_the_clients_and_change_no_result",
+  "test_pretrained.py::test_pretraining_resumes_from_the_last_epoch_bit_for_bit",
+  "test_pretrained.py::test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality",
+  "test_pretrained.py::test_shipped_feature_stats_are_the_pretraining_datas",
+  "test_rcsr_run.py::test_devices_split_the_sampled_clients_and_change_no_result",
+)
+
+
+def pytest_collection_modifyitems(items):
+  """Marks the tiers and orders the collected tests by :data:`SLOW_FIRST`.
+
+  ``e2e``: a test that runs ``experiments.main`` in a subprocess (it asks for the
+  ``main_cache`` fixture) or is in :data:`E2E_FILES`. ``slow``: every e2e test, every
+  test that runs a whole experiment in this process (it asks for ``compilation_cache``),
+  every test of :data:`SLOW_FILES` and each of :data:`SLOW_TESTS`. The sort is stable: a file's tests keep their order, and
+  every process collects the same order, as xdist requires.
   """
+  for item in items:
+    fixtures = getattr(item, "fixturenames", ())
+    e2e = "main_cache" in fixtures or item.path.name in E2E_FILES
+    if e2e:
+      item.add_marker(pytest.mark.e2e)
+    name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+    if e2e or "compilation_cache" in fixtures or item.path.name in SLOW_FILES or name in SLOW_TESTS:
+      item.add_marker(pytest.mark.slow)
   rank = {name: i for i, name in enumerate(SLOW_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

@@ -1,4 +1,4 @@
-"""The benchmark scripts run, at toy sizes, and print the figures the README quotes.
+"""The benchmark scripts run, at toy sizes, and print the figures the docs quote.
 
 Timings are never asserted (they belong to the scripts' own output); these
 tests check that each script completes, prints every row and target line, and

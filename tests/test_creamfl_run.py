@@ -55,20 +55,6 @@ def test_encoder_of_the_wrong_modality():
     runner.validate(config)
 
 
-def test_bad_config_exits_2_in_one_line(tmp_path, main_cache):
-  code, _, err = experiment_main.run(
-    "experiments/creamfl.py:smoke",
-    tmp_path / "run",
-    "--config.creamfl.num_selected=0",
-    cache_dir=main_cache,
-    timeout=300,
-  )
-  assert code == 2, err[-2000:]
-  lines = [line for line in err.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and "num_selected" in lines[0], err[-2000:]
-  assert not (tmp_path / "run").exists()  # Nothing was written.
-
-
 def _one_round(config, monkeypatch, *, devices=1, padded_to=None):
   """Each method's state and outputs after one round, the real clients' rows only."""
   config.devices = devices

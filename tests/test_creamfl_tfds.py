@@ -201,26 +201,6 @@ def test_bad_tfds_settings_are_config_errors(mock_tfds):
     runner._tfds_sets(config)
 
 
-def test_missing_dataset_exits_2_naming_the_build_command(tmp_path, main_cache, monkeypatch):
-  monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # JAX logs every compilation: there must be none
-  data_dir = tmp_path / "tfds"
-  code, _, err = experiment_main.run(
-    "experiments/creamfl.py:paper",
-    tmp_path / "run",
-    # :paper's BERT server is a folder this machine lacks: every text tower on MiniLM.
-    *(f"--config.{k}={MINILM}" for k in _TEXT_TOWERS),
-    f"--config.data.data_dir={data_dir}",
-    cache_dir=main_cache,
-  )
-  assert code == 2, err[-2000:]
-  lines = [line for line in err.splitlines() if line.startswith("error:")]
-  # The image clients' CIFAR-100 is read first.
-  command = f"tfds build cifar100 --data_dir={data_dir} --file_format=array_record"
-  assert len(lines) == 1 and command in lines[0], err[-2000:]
-  assert "Compiling" not in err, err[-2000:]
-  assert not (tmp_path / "run").exists() and not data_dir.exists()
-
-
 _TEXT_TOWERS = ("clients.text.encoder", "clients.multimodal.text_encoder", "server.text_encoder")
 
 

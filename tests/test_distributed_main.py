@@ -149,7 +149,7 @@ def test_two_processes_write_once_what_one_writes(runs):
 
 # FedRGB, one method and one round: it keeps its state replicated and splits the clients a
 # round trains, where FedSCMR pads its group. CreamFL (padded groups, like FedSCMR) and
-# RCSR (like FedRGB) were compared the same way by hand (README); each case costs 1-2
+# RCSR (like FedRGB) were compared the same way by hand (docs/guides/multi_host.md); each case costs 1-2
 # minutes of this suite.
 FEDRGB = ("--config.methods=('fedrgb',)", "--config.num_clients=4", "--config.rounds=1")
 

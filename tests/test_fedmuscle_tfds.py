@@ -5,7 +5,6 @@ feature spec); the world default is checked to ignore the block's TFDS keys. The
 ``:paper_setup1`` round on mock data and tiny checkpoints is in ``test_paper_configs.py``.
 """
 
-import experiment_main
 import jax
 import numpy as np
 import pytest
@@ -142,26 +141,6 @@ def test_bad_tfds_settings_are_config_errors(mock_tfds):
   config.muscle.batch_size = 12  # VOC's pool: MLC user 16 + public 16 of 20 -> 10 each
   with pytest.raises(ConfigError, match=r"public set read has 10 examples .* one batch"):
     runner._user_data(config, runner.validate(config))
-
-
-def test_missing_dataset_exits_2_naming_the_build_command(tmp_path, main_cache, monkeypatch):
-  monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # JAX logs every compilation: there must be none
-  data_dir = tmp_path / "tfds"
-  code, _, err = experiment_main.run(
-    "experiments/fedmuscle.py:smoke",
-    tmp_path / "run",
-    "--config.data.source=tfds",
-    f"--config.data.data_dir={data_dir}",
-    "--config.data.limit=8",
-    cache_dir=main_cache,
-  )
-  assert code == 2, err[-2000:]
-  lines = [line for line in err.splitlines() if line.startswith("error:")]
-  # The tasks are checked in order: IC10's CIFAR-10 is the first missing.
-  command = f"tfds build cifar10 --data_dir={data_dir} --file_format=array_record"
-  assert len(lines) == 1 and command in lines[0], err[-2000:]
-  assert "Compiling" not in err, err[-2000:]
-  assert not (tmp_path / "run").exists() and not data_dir.exists()
 
 
 def test_text_users_read_ag_news_through_their_checkpoints_tokenizer(mock_tfds, monkeypatch):

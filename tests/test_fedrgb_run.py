@@ -70,25 +70,11 @@ def test_categories_are_the_five_shape_bits():
   np.testing.assert_array_equal(runner.categories(multilabel), [0, 1 + 4, 31])
 
 
-def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
-  code, _, err = experiment_main.run(
-    "experiments/fedrgb.py:smoke",
-    tmp_path / "run",
-    "--config.fedrgb.rho=-1",
-    cache_dir=main_cache,
-    timeout=300,
-  )
-  assert code == 2, err[-2000:]
-  lines = [line for line in err.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and "fedrgb.rho" in lines[0], err[-2000:]
-  assert not (tmp_path / "run").exists()
-
-
 def test_devices_split_the_clients():
   """``config.devices=2`` with 4 clients: every loop over the 4 clients (stage 1, the DRO
   losses, stage 2) runs over 2 on each device, on a replicated state, and the round's
   losses and DRO weights are one device's up to float rounding (the parameters then
-  differ by Adam's amplified rounding, as CreamFL's do: see the README). "auto" loops over
+  differ by Adam's amplified rounding, as CreamFL's do: see docs/results/creamfl.md). "auto" loops over
   the clients on one device too, though this process has 8 (the round is traced in the
   one-device mesh). The distortion matrix's retraining (a loop over the clients too) of
   one final model is one device's up to rounding as well."""

@@ -16,20 +16,6 @@ from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner.workdir import WorkdirError
 
 
-def test_bad_config_is_one_line_and_exit_2(tmp_path, main_cache):
-  code, _, err = experiment_main.run(
-    "experiments/fedscmr.py:smoke",
-    tmp_path / "run",
-    "--config.fedscmr.gamma=-1",
-    cache_dir=main_cache,
-    timeout=300,
-  )
-  assert code == 2, err[-2000:]
-  lines = [line for line in err.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and "gamma must be >= 0" in lines[0], err[-2000:]
-  assert not (tmp_path / "run").exists()  # Nothing was written.
-
-
 def test_a_damaged_encoder_checkpoint_is_one_line_and_exit_2(tmp_path, main_cache):
   # The default features: the shipped encoders, copied, one of them cut short.
   folders = {}
