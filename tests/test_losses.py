@@ -99,6 +99,32 @@ class TestMuscle:
       chunked = losses.muscle_loss(anchor, others, tau=tau, gamma=gamma, chunk_size=chunk)
       np.testing.assert_allclose(chunked, reference, rtol=1e-12)
 
+  @pytest.mark.parametrize("kernel_max_others", [0, 4])
+  @pytest.mark.parametrize("num_others,batch", [(1, 5), (2, 4), (3, 4), (4, 3)])
+  def test_both_contraction_orders_equal_the_literal_loop(
+    self, num_others, batch, kernel_max_others, monkeypatch
+  ):
+    # The kernel tensor (M <= KERNEL_MAX_OTHERS) and the greedy einsum, each at every M.
+    monkeypatch.setattr(muscle, "KERNEL_MAX_OTHERS", kernel_max_others)
+    anchor, others, tau, gamma = _random_problem(50 + num_others, num_others, batch)
+    expected = _literal_muscle(anchor, others, tau, gamma)
+
+    def total(a, o, chunk):
+      per_anchor = losses.muscle_loss(
+        a, o, tau=tau, gamma=gamma, method="contract", chunk_size=chunk
+      )
+      return (per_anchor * jnp.arange(1, batch + 1)).sum(), per_anchor
+
+    for chunk in (None, 2):
+      (_, got), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
+        anchor, others, chunk
+      )
+      np.testing.assert_allclose(got, expected, rtol=1e-10)
+      monkeypatch.setattr(muscle, "KERNEL_MAX_OTHERS", 4 - kernel_max_others)  # the other order
+      reference, _ = jax.grad(total, argnums=(0, 1), has_aux=True)(anchor, others, chunk)
+      chex.assert_trees_all_close(grads, reference, rtol=1e-10, atol=1e-12)
+      monkeypatch.setattr(muscle, "KERNEL_MAX_OTHERS", kernel_max_others)
+
   def test_chunked_gradients_agree(self):
     anchor, others, tau, gamma = _random_problem(3, 3, 5)
 

@@ -20,7 +20,10 @@ respect to its own representation.
   broadcast ``[B]^(M+1)`` tensor (the library's path before the contraction,
   and its fallback);
 * paper:     ``muscle_paper_targets`` (S ``[B^M, d]``, log alpha ``[B^M]``) then
-  ``muscle_loss_from_paper_targets``: eq. (5) as the paper's server sends it.
+  ``muscle_loss_from_paper_targets``: eq. (5) as the paper's server sends it;
+* plain:     the same exp-domain denominator written outside the library (each
+  factor shifted by its maximum, exponentiated, one greedy ``einsum``, the log
+  and the shifts added back): what the library's contraction must not lose to.
 
 It prints XLA's temporary memory for each compiled function
 (``compile().memory_analysis()``), XLA's count of its FLOPs and
@@ -34,7 +37,9 @@ working set; one that tracks it says the contraction has no work left to
 remove, only speed per FLOP to gain. Cells whose work (``B^(M+1)`` terms) or
 memory would take minutes are not run and say so. The last lines check the
 targets: >= 10x the log-domain path at M = 3 and M = 4 (B = 32), M = 5 at
-B = 32 under 1 s, and >= 300x the paper's protocol at M = 3, B = 32.
+B = 32 under 1 s, >= 1.00x the plain einsum (its time over the library's) at
+M = 3, 4 and B = 32, 64 (the worst of the four printed), and >= 300x the
+paper's protocol at M = 3, B = 32.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ _GRAD = flags.DEFINE_enum(
   "partners' matrices constants (what FedMuscle's round computes).",
 )
 #: Largest number of tuple terms B^(M+1) each path is run at (beyond: seconds per call).
-_MAX_TERMS = {"contract": 2**31, "logsumexp": 2**28, "paper": 2**28}
+_MAX_TERMS = {"contract": 2**31, "logsumexp": 2**28, "paper": 2**28, "plain": 2**31}
 TAU, GAMMA = 0.2, float(losses.muscle_gamma(0.2, 0.15))
 
 
@@ -82,7 +87,36 @@ def _paper(anchor, others):
   return losses.muscle_loss_from_paper_targets(anchor, s, log_alpha).mean()
 
 
-PATHS = {"contract": _loss("contract"), "logsumexp": _loss("logsumexp"), "paper": _paper}
+def _plain(anchor, others):
+  """The denominator as one exp-domain ``einsum``, written without the library.
+
+  What a user would write from the module docstring's formula: each factor
+  shifted by its largest entry and exponentiated, one ``einsum`` (opt_einsum's
+  greedy order) of the ``M`` anchor-sample and ``M(M-1)/2`` sample-sample
+  matrices, then the log and the shifts added back.
+  """
+  num_others = others.shape[0]
+  letters = "abcdefghjklmnopqrstuvwxyz"[:num_others]
+  pairs = [(m, n) for m in range(num_others) for n in range(m + 1, num_others)]
+  logits = jnp.einsum("id,mkd->mik", anchor, others) / TAU  # [M, B, B]
+  pair_logits = [-GAMMA * others[m] @ others[n].T for m, n in pairs]
+  factors, shift = [], 0.0
+  for x in [*logits, *pair_logits]:
+    top = jax.lax.stop_gradient(jnp.max(x))
+    factors.append(jnp.exp(x - top))
+    shift = shift + top
+  subscripts = ",".join([f"i{c}" for c in letters] + [letters[m] + letters[n] for m, n in pairs])
+  total = jnp.einsum(f"{subscripts}->i", *factors, optimize="greedy")
+  positive = jnp.einsum("mii->i", logits) + sum(jnp.diagonal(p) for p in pair_logits)
+  return (jnp.log(total) + shift - positive).mean()
+
+
+PATHS = {
+  "contract": _loss("contract"),
+  "logsumexp": _loss("logsumexp"),
+  "paper": _paper,
+  "plain": _plain,
+}
 
 
 def _loss_and_grad(loss_fn, grad):
@@ -171,8 +205,8 @@ def _gib(num_bytes):
   return "-" if num_bytes is None else f"{num_bytes / 2**30:.3f}"
 
 
-def _ratio(slow, fast):
-  return "-" if slow is None or fast is None else f"{slow / fast:.1f}x"
+def _ratio(slow, fast, digits=1):
+  return "-" if slow is None or fast is None else f"{slow / fast:.{digits}f}x"
 
 
 def _mflop(work):
@@ -205,7 +239,8 @@ def main(argv):
   header = (
     f"{'B':>3} {'M':>2} {'R':>5} | {'contract ms':>11} {'GiB':>6} {'MFLOP':>8} | "
     f"{'logsumexp ms':>12} {'GiB':>6} {'MFLOP':>8} {'Mexp':>6} | "
-    f"{'paper ms':>10} {'GiB':>6} {'MFLOP':>9} | {'lse/contr':>16} {'paper/contr':>17}"
+    f"{'paper ms':>10} {'GiB':>6} {'MFLOP':>9} | {'lse/contr':>16} {'paper/contr':>17} | "
+    f"{'plain ms':>9} {'plain/contr':>11}"
   )
   print(header)
   print("-" * len(header))
@@ -226,10 +261,11 @@ def main(argv):
       notes = [p[4] for p in prepared.values() if p[4]]
       results[batch, num_others] = cell
       logit_range = losses.muscle_logit_range(TAU, GAMMA, num_others)
-      (c, c_mem, c_w), (l, l_mem, l_w), (p, p_mem, p_w) = (
+      (c, c_mem, c_w), (l, l_mem, l_w), (p, p_mem, p_w), (e, _, _) = (
         cell["contract"],
         cell["logsumexp"],
         cell["paper"],
+        cell["plain"],
       )
       exps = "-" if l_w is None else f"{l_w[1] / 1e6:.2f}"
       lse_ratio = f"{_ratio(l, c)} ({_work_ratio(l_w, c_w)})"
@@ -239,7 +275,8 @@ def main(argv):
         f"{_ms(c):>11} {_gib(c_mem):>6} {_mflop(c_w):>8} | "
         f"{_ms(l):>12} {_gib(l_mem):>6} {_mflop(l_w):>8} {exps:>6} | "
         f"{_ms(p):>10} {_gib(p_mem):>6} {_mflop(p_w):>9} | "
-        f"{lse_ratio:>16} {paper_ratio:>17}  {'; '.join(notes)}",
+        f"{lse_ratio:>16} {paper_ratio:>17} | {_ms(e):>9} {_ratio(e, c, 2):>11}  "
+        f"{'; '.join(notes)}",
         flush=True,
       )
 
@@ -257,6 +294,18 @@ def main(argv):
       f"FLOP ratio {_work_ratio(work(32, num_others, 'logsumexp'), work(32, num_others, 'contract'))})"
     )
   print(f"  M=5: contraction {_ms(get(32, 5, 'contract'))} ms (target < 1000 ms)")
+  plain = {
+    (batch, num_others): (get(batch, num_others, "plain"), get(batch, num_others, "contract"))
+    for batch in (32, 64)
+    for num_others in (3, 4)
+    if None not in (get(batch, num_others, "plain"), get(batch, num_others, "contract"))
+  }
+  cells = ", ".join(f"B={b} M={m} {_ratio(*plain[b, m], 2)}" for b, m in plain) or "not run"
+  worst = min((e / c for e, c in plain.values()), default=None)
+  print(
+    f"  contraction vs a plain einsum (time plain / library): {cells}; worst "
+    f"{'-' if worst is None else f'{worst:.2f}x'} (target >= 1.00x)"
+  )
   print(
     f"  M=3: contraction vs the paper's protocol "
     f"{_ratio(get(32, 3, 'paper'), get(32, 3, 'contract'))} (target >= 300x; "
