@@ -298,7 +298,10 @@ def test_methods_config():
   config.methods = "('fedhenn', 'local')"  # a tuple typed on the command line
   assert runner.methods_of(config) == ("fedhenn", "local")
   assert runner.methods_of({"methods": ("local", "fedhenn")}) == ("fedhenn", "local")
-  for bad, message in [("feddf", "must include local"), ("fedmatch,local", "unknown fedmatch")]:
+  for bad, message in [
+    ("feddf", "must include local"),
+    ("fedmatch,local", r"unknown \['fedmatch'\]"),
+  ]:
     config.methods = bad
     with pytest.raises(ConfigError, match=message):
       runner.validate(config)

@@ -228,16 +228,10 @@ def validate(config) -> None:
   validation.check_client_map(config)
   validation.check_devices(config)
   faults = validation.check_faults(config)
-  if not config.methods:
-    raise ConfigError(f"methods is empty; name at least one of {', '.join(METHODS)}.")
-  unknown = [m for m in config.methods if m not in METHODS]
-  if unknown:
-    raise ConfigError(f"methods: unknown {unknown}; known: {', '.join(METHODS)}.")
+  validation.check_methods(config.methods, METHODS)
   parameter_rows = [m for m in config.methods if m in PARAMETER_ROWS]
   if faults.enabled and parameter_rows:
     raise ConfigError(f"faults: {', '.join(parameter_rows)} simulate no client faults; drop them.")
-  if len(set(config.methods)) != len(config.methods):
-    raise ConfigError("methods: a method is listed twice.")
   if config.rounds < 1:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
   if config.eval_every < 1:
@@ -1145,17 +1139,6 @@ def experiment(config) -> loop.Experiment:
   )
 
 
-def run(
-  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
-) -> dict[str, Any]:
-  """Trains every method of ``config.methods`` in ``workdir``; resumes a run killed there.
-
-  Returns:
-    the final results (also written to ``results.json``).
-  """
-  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
-
-
 def _recall_table(rows: Sequence[Sequence[Any]], chance: Mapping[str, float]) -> str:
   """``method | six recalls`` rows and a last row at chance."""
   rows = [*rows, ["chance (random ranking)", *(chance[k] for k in RECALL_KEYS)]]
@@ -1500,3 +1483,14 @@ def summarize(workdirs) -> str:
     f"{protocol['test_images']} test images {where}; "
     f"R@1_sum = {protocol['r1_sum']}."
   )
+
+
+#: CreamFL as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
+SYSTEM = loop.System(
+  name="creamfl",
+  methods=METHODS,
+  validate=validate,
+  experiment=experiment,
+  summarize=summarize,
+)
+run = SYSTEM.run

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,12 +146,7 @@ def methods_of(config) -> tuple[str, ...]:
   if isinstance(spec, str):  # "a,b" or a tuple's repr, "('a', 'b')"
     spec = spec.strip("()[] ").split(",")
   names = [str(m).strip().strip("'\"") for m in spec]
-  names = [m for m in names if m]
-  unknown = [m for m in names if m not in METHODS]
-  if unknown:
-    raise ConfigError(f"methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}.")
-  if len(set(names)) != len(names):
-    raise ConfigError("methods: a method is listed twice.")
+  names = validation.check_methods([m for m in names if m], METHODS)
   if "local" not in names or len(names) < 2:
     raise ConfigError(
       "methods must include local and at least one other method (Delta is measured against local)."
@@ -891,17 +885,6 @@ def experiment(config) -> loop.Experiment:
   )
 
 
-def run(
-  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
-) -> dict[str, Any]:
-  """Trains FedMuscle and local training in ``workdir``; resumes a run killed there.
-
-  Returns:
-    the final results (also written to ``results.json``).
-  """
-  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
-
-
 def _delta(alg: Sequence[float], local: Sequence[float]) -> tuple[float, list[int]]:
   """Delta over the users whose local metric is nonzero, and the excluded users.
 
@@ -1145,3 +1128,13 @@ def _report(
     results=result,
     text=text,
   )
+
+
+#: FedMuscle as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
+SYSTEM = loop.System(
+  name="fedmuscle",
+  methods=METHODS,
+  validate=validate,
+  experiment=experiment,
+)
+run = SYSTEM.run

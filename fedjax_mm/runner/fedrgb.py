@@ -73,7 +73,6 @@ The paper's sweeps (rho, alpha, rounds, clients) are command-line overrides of t
 from __future__ import annotations
 
 import functools
-import pathlib
 from typing import Any
 
 import jax
@@ -152,13 +151,7 @@ def validate(config) -> None:
   validation.check_numbers(config, validation.FEDRGB)
   validation.check_client_map(config)
   validation.check_faults(config)
-  if not config.methods:
-    raise ConfigError(f"methods is empty; name at least one of {list(ROWS)}.")
-  unknown = [m for m in config.methods if m not in ROWS]
-  if unknown:
-    raise ConfigError(f"methods: unknown {unknown}; known: {list(ROWS)}.")
-  if len(set(config.methods)) != len(config.methods):
-    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
+  validation.check_methods(config.methods, ROWS)
   f = config.fedrgb
   if f.dro_form not in losses.fedrgb.DRO_FORMS:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")
@@ -831,14 +824,18 @@ def summarize(workdirs) -> str:
   return text
 
 
-def run(
-  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
-) -> dict[str, Any]:
-  """Trains every configured method in ``workdir``; resumes a run killed there."""
-  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
-
+#: FedRGB as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
+SYSTEM = loop.System(
+  name="fedrgb",
+  methods=tuple(ROWS),
+  validate=validate,
+  experiment=experiment,
+  summarize=summarize,
+)
+run = SYSTEM.run
 
 __all__ = [
+  "SYSTEM",
   "build",
   "categories",
   "experiment",

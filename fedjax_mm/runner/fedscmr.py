@@ -192,13 +192,7 @@ def validate(config) -> None:
     raise ConfigError("model.hidden and model.dim must be >= 1.")
   if not config.ns or any(n < 1 for n in config.ns):
     raise ConfigError(f"ns must be a non-empty list of positive N, got {tuple(config.ns)}.")
-  if not config.methods:
-    raise ConfigError(f"methods is empty; name at least one of {', '.join(METHODS)}.")
-  unknown = [m for m in config.methods if m not in METHODS]
-  if unknown:
-    raise ConfigError(f"methods: unknown {unknown}; known: {', '.join(METHODS)}.")
-  if len(set(config.methods)) != len(config.methods):
-    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
+  validation.check_methods(config.methods, METHODS)
   for method in config.methods:
     try:
       method_config(config, method, 2).validate()
@@ -646,17 +640,6 @@ def experiment(config) -> loop.Experiment:
   )
 
 
-def run(
-  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
-) -> dict[str, Any]:
-  """Trains every configured system in ``workdir``; resumes a run killed there.
-
-  Returns:
-    the final results (also written to ``results.json``).
-  """
-  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
-
-
 # ---------------------------------------------------------------------------
 # Tables
 
@@ -949,3 +932,14 @@ def summarize(workdirs: Sequence[str | pathlib.Path]) -> str:
       if k in t:
         parts += [f"Tables ({k}) on the {PROTOCOLS[protocol][1]}:", t[k]]
   return "\n\n".join(parts)
+
+
+#: FedSCMR as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
+SYSTEM = loop.System(
+  name="fedscmr",
+  methods=tuple(METHODS),
+  validate=validate,
+  experiment=experiment,
+  summarize=summarize,
+)
+run = SYSTEM.run
