@@ -289,6 +289,7 @@ def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
 
 
 def test_summarize_refuses_results_of_the_old_protocol(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"seed": 0}))
   (tmp_path / "results.json").write_text(json.dumps({"recall": {}, "r1_sum": {}, "seed": 0}))
   with pytest.raises(ValueError, match="predates the public-distribution 1K/5K protocol"):
     runner.summarize([tmp_path])

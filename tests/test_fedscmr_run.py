@@ -240,6 +240,7 @@ def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
       "weights": {"fedscmr": {"A": [0.5, 0.2, 0.4], "B": [0.5, 0.8, 0.6]}},
     }
     (tmp_path / str(seed)).mkdir()
+    (tmp_path / str(seed) / "config.json").write_text(json.dumps({"seed": seed}))
     (tmp_path / str(seed) / "results.json").write_text(json.dumps(result))
     dirs.append(tmp_path / str(seed))
   text = runner.summarize(dirs)

@@ -89,8 +89,6 @@ and exits with status 2).
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -1416,8 +1414,12 @@ def _report(
 
 
 def summarize(workdirs) -> str:
-  """Mean ± sample std over runs (seeds) of the final tables, from their ``results.json``."""
-  runs = [json.loads((pathlib.Path(w) / "results.json").read_text()) for w in workdirs]
+  """Mean ± sample std over runs (seeds) of the final tables, from their ``results.json``.
+
+  The runs must share every config key but the seed
+  (:func:`fedjax_mm.runner.report.load_seed_runs`).
+  """
+  runs, _ = report_lib.load_seed_runs(workdirs)
   for w, r in zip(workdirs, runs, strict=True):
     if "protocol" not in r:
       raise SummaryError(
@@ -1428,11 +1430,7 @@ def summarize(workdirs) -> str:
     raise SummaryError("the runs were evaluated on different test sizes.")
   methods = [m for m in runs[0]["recall"] if all(m in r["recall"] for r in runs)]
 
-  def cell(values):
-    values = np.asarray(values, np.float64)
-    std = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{values.mean():.2f} ± {std:.2f}"
-
+  cell = functools.partial(report_lib.seed_cell, digits=2)
   chance = runs[0]["chance"]
   local = [r["r1_sum"][LOCAL] for r in runs] if LOCAL in methods else None
   rows = []

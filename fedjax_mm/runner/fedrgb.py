@@ -774,7 +774,7 @@ def summarize(workdirs) -> str:
   Retrieval for every row; downstream accuracy and segmentation Dice for the rows every run
   has them for (the global models), beside the initial model and the trivial score.
 
-  ``python -m experiments.summarize --format=fedrgb runs/fedrgb_s*``: the runs must share
+  ``python -m experiments.summarize runs/fedrgb_s*``: the runs must share
   every config key but the seed (same methods, clients and test sizes).
   """
   runs, configs = report_lib.load_seed_runs(workdirs)

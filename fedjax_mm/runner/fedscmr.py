@@ -52,7 +52,6 @@ text features about 82%.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import zipfile
@@ -915,9 +914,10 @@ def summarize(workdirs: Sequence[str | pathlib.Path]) -> str:
   """Mean ± std over the ``results.json`` of several runs (seeds): rankings and tables.
 
   Rankings under both protocols (with the chance level), the mean aggregation
-  weights, then Tables 1-4 under both protocols.
+  weights, then Tables 1-4 under both protocols. The runs must share every config
+  key but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
   """
-  results = [json.loads((pathlib.Path(w) / "results.json").read_text()) for w in workdirs]
+  results, _ = report_lib.load_seed_runs(workdirs)
   seeds = ", ".join(str(r.get("seed")) for r in results)
   parts = [f"{len(results)} runs (seeds {seeds}); cells are mean ± std over runs."]
   protocols = _protocols(results)

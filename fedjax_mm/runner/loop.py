@@ -59,7 +59,8 @@ needs, in one place:
   :attr:`Experiment.report` turns the last evaluation and the history read
   back from ``metrics.jsonl`` (the same lines whether or not the run was
   resumed) into a :class:`Report`, which the loop writes as ``report.md``, PNG
-  plots and ``results.json`` (atomically), and prints.
+  plots and ``results.json`` (atomically, its first key ``"system"``: the
+  :attr:`System.name`), and prints.
 
 Order within a round: every method in turn runs its round, is checked, is
 counted in the ledger, and is evaluated when the round is an evaluation round
@@ -299,7 +300,8 @@ def run(
     progress: show a progress bar over rounds (on process 0).
 
   Returns:
-    :attr:`Report.results`, also written to ``results.json``; on processes
+    :attr:`Report.results`, after ``"system"``: the :attr:`System.name` when
+    ``build`` is a System; also written to ``results.json``. On processes
     other than 0 of a multi-process job, which write no report, ``{}``.
 
   Raises:
@@ -364,9 +366,12 @@ def run(
       report_lib.plot_curves(
         workdir / name, curves.series, title=curves.title, ylabel=curves.ylabel
       )
-    report_lib.write_text(workdir / "results.json", json.dumps(report.results, indent=2))
+    results = report.results
+    if system is not None:  # Named first, so a reader (experiments/summarize.py) needs no guess.
+      results = {"system": system.name, **results}
+    report_lib.write_text(workdir / "results.json", json.dumps(results, indent=2))
     print("\n" + report.text)
-    return report.results
+    return results
 
 
 def memory_available() -> int | None:
