@@ -30,7 +30,7 @@ resumes. Three seeds and their mean ± std::
     python -m experiments.main --config=experiments/fedscmr.py --config.seed=$s \
       --workdir=runs/fedscmr_s$s
   done
-  python -m experiments.summarize --format=fedscmr runs/fedscmr_s0 runs/fedscmr_s1 runs/fedscmr_s2
+  python -m experiments.summarize runs/fedscmr_s0 runs/fedscmr_s1 runs/fedscmr_s2
 
 Real precomputed features: ``--config.features.path=feats.npz`` with arrays
 ``image [n, d_img]``, ``text [n, d_txt]`` and integer ``labels [n]``.

@@ -1,39 +1,38 @@
 r"""Mean ± standard deviation over seeds of finished runs.
 
+  python -m experiments.summarize runs/creamfl_s*       # the system's own tables
   python -m experiments.summarize runs/fedmuscle_* [--keys=delta] [--scale=100]
-  python -m experiments.summarize --format=fedscmr runs/fedscmr_s*
-  python -m experiments.summarize --format=creamfl runs/creamfl_s*
-  python -m experiments.summarize --format=fedrgb runs/fedrgb_s*
-  python -m experiments.summarize --format=rcsr runs/rcsr_s*
+  python -m experiments.summarize --format=generic --keys=r1_sum.CreamFL --scale=1 runs/creamfl_*
 
-Reads ``config.json`` and ``results.json`` of every workdir given, groups the
-runs by their config with ``seed`` left out (runs that differ only in the seed
+Every ``results.json`` names the system that wrote it (``"system": "creamfl"``,
+:class:`fedjax_mm.runner.loop.System`), and the command picks the table by it:
+a system with a summary of its own (:attr:`~fedjax_mm.runner.loop.System.summarize`:
+FedSCMR's ranking and paper-style Tables 1-4, CreamFL's Table 1 with one
+Recall@K table per test size and its chance rows, FedRGB's retrieval table with
+FedRGB - FedAvg paired by seed, RCSR's table with RCSR minus every other row
+paired by seed) prints it, each cell the mean ± std over the runs, and those runs
+must differ in nothing but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
+FedMuscle's runs, and ``--format=generic``, get the generic table: the runs are
+grouped by their config with ``seed`` left out (runs that differ only in the seed
 are one group; the group's label is the config keys that set it apart from the
-other groups), and prints one markdown row per group: the number of seeds and,
-for each key of ``results.json`` asked for, the mean ± sample standard
-deviation. A key may index into a list (``fedmuscle.0``: user 1's metric).
-Values are multiplied by ``--scale`` (100 turns fractions into percentages).
+other groups), one markdown row per group: the number of seeds and, for each key
+of ``results.json`` asked for, the mean ± sample standard deviation. A key may
+index into a list (``fedmuscle.0``: user 1's metric). Values are multiplied by
+``--scale`` (100 turns fractions into percentages). A CreamFL sweep (runs that
+differ in one config key, e.g. ``creamfl.lcr_weight``) reads well in it:
+``--format=generic --keys=r1_sum.CreamFL --scale=1 --digits=2``.
 
-``--format=fedscmr`` prints FedSCMR's ranking and its paper-style Tables 1-4
-instead, and ``--format=creamfl`` CreamFL's Table 1 (R@1_sum over the 1K and
-5K tests of the public distribution, then one Recall@K table per test size,
-each with its chance row), each cell the mean ± std over the runs
-(:func:`fedjax_mm.runner.fedscmr.summarize`,
-:func:`fedjax_mm.runner.creamfl.summarize`); ``--format=fedrgb`` FedRGB's retrieval
-table (average and worst client, OOD) with FedRGB - FedAvg paired by seed
-(:func:`fedjax_mm.runner.fedrgb.summarize`); ``--format=rcsr`` RCSR's table (global
-Recall@K, per-client fairness) with RCSR minus every other row paired by seed
-(:func:`fedjax_mm.runner.rcsr.summarize`). A CreamFL sweep (runs that differ
-in one config key, e.g. ``creamfl.lcr_weight``) reads well in the generic
-format: ``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
+Runs written before ``results.json`` named its system take ``--format=<system>``
+for a system's table (the generic table otherwise), and are told apart by their
+top-level keys (:data:`FORMAT_KEYS`).
 
 A workdir that is not a finished run (no ``config.json``, or no ``results.json``:
 still running, stopped or preempted) is refused before anything is read, all of
 them in one ``error:`` line with how far each got, exit status 2: a mean over
 fewer seeds than were asked for would pass unnoticed. So are, in one line each, runs
-of another experiment than ``--format``'s (:data:`FORMAT_KEYS`), a ``--keys`` entry
+of different systems, runs of another system than ``--format``'s, a ``--keys`` entry
 that is not a number in every run's ``results.json`` (with what the run is and the
-numbers it holds), and a format's runs whose configs differ in more than the seed.
+numbers it holds), and a system's runs whose configs differ in more than the seed.
 """
 
 from __future__ import annotations
@@ -52,16 +51,19 @@ from fedjax_mm.runner.workdir import config_diff
 _KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (dotted paths).")
 _SCALE = flags.DEFINE_float("scale", 100.0, "Factor applied to every value before printing.")
 _DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
+#: The systems whose tables ``--format`` names for runs that do not name their system.
+SYSTEM_FORMATS = ("fedscmr", "creamfl", "fedrgb", "rcsr")
+
 _FORMAT = flags.DEFINE_enum(
   "format",
-  "generic",
-  ["generic", "fedscmr", "creamfl", "fedrgb", "rcsr"],
-  "generic table, FedSCMR's Tables 1-4, CreamFL's Recall@K table, FedRGB's or RCSR's"
-  " retrieval table.",
+  None,
+  ["generic", *SYSTEM_FORMATS],
+  "generic table, or the table of a system (FedSCMR's Tables 1-4, CreamFL's Recall@K table,"
+  " FedRGB's or RCSR's retrieval table). Default: the system results.json names.",
 )
 
 
-#: What marks a run of each --format's experiment: top-level keys of its results.json.
+#: What marks a run of each system from before results.json named it: its top-level keys.
 FORMAT_KEYS = {
   "fedscmr": ("ns", "methods_global"),
   "creamfl": ("r1_sum", "recall"),
@@ -71,12 +73,14 @@ FORMAT_KEYS = {
 
 
 def _results(workdir: pathlib.Path) -> dict:
-  return json.loads((workdir / "results.json").read_text())
+  return json.loads((pathlib.Path(workdir) / "results.json").read_text())
 
 
 def _kind(results: dict) -> str:
-  """Which experiment wrote ``results``, as the command reads it: ``--format=<name>``,
+  """Which experiment wrote ``results``, as the command reads it: a system's table,
   FedMuscle's generic table, or neither."""
+  if "system" in results:
+    return f"a {results['system']} run"
   for name, keys in FORMAT_KEYS.items():
     if all(k in results for k in keys):
       return f"a {name} run: --format={name}"
@@ -87,14 +91,55 @@ def _kind(results: dict) -> str:
   return "no run this command has a table for"
 
 
+def _system_of(results: dict) -> str | None:
+  """The system that wrote ``results``: its ``"system"``, else (an older run) the
+  system whose :data:`FORMAT_KEYS` it holds; None for neither."""
+  if "system" in results:
+    return results["system"]
+  return next((n for n, keys in FORMAT_KEYS.items() if all(k in results for k in keys)), None)
+
+
 def wrong_format(workdirs: Sequence[str | pathlib.Path], fmt: str) -> list[str]:
   """Each of ``workdirs`` whose ``results.json`` is not a run of ``fmt``, with what it is."""
   problems = []
   for workdir in map(pathlib.Path, workdirs):
     results = _results(workdir)
-    if not all(k in results for k in FORMAT_KEYS[fmt]):
+    if _system_of(results) != fmt:
       problems.append(f"{workdir} ({_kind(results)})")
   return problems
+
+
+def table_of(workdirs: Sequence[str | pathlib.Path], fmt: str | None = None) -> str:
+  """The table to print for ``workdirs``: ``"generic"`` or the system whose summary it is.
+
+  ``fmt`` is ``--format`` (None: the runs' own ``"system"``). Runs that name their
+  system must all name the same one; a system whose
+  :attr:`~fedjax_mm.runner.loop.System.summarize` is None (FedMuscle) gets the
+  generic table, and so do older runs that name none.
+
+  Raises:
+    SummaryError: runs of different systems, or not of ``fmt``'s.
+  """
+  named = {pathlib.Path(w): _results(w).get("system") for w in workdirs}
+  systems = sorted({s for s in named.values() if s is not None})
+  if len(systems) > 1 or (systems and None in named.values()):
+    listed = "; ".join(f"{w} ({s or 'names no system'})" for w, s in named.items())
+    raise SummaryError(f"the runs are of different systems: {listed}; summarise them separately.")
+  if fmt is None:
+    if not systems:
+      return "generic"
+    from fedjax_mm import runner  # The runners import jax: only when a run names one.
+
+    try:
+      found = runner.system(systems[0])
+    except KeyError:
+      raise SummaryError(f"the runs are of {systems[0]!r}, no system this command knows.") from None
+    return systems[0] if found is not None and found.summarize is not None else "generic"
+  if fmt != "generic":
+    problems = wrong_format(workdirs, fmt)
+    if problems:
+      raise SummaryError(f"not {fmt} runs: {'; '.join(problems)}.")
+  return fmt
 
 
 def _numeric_keys(value, prefix="") -> list[str]:
@@ -220,15 +265,13 @@ def main(argv):
     )
     sys.exit(2)
   try:
-    if _FORMAT.value == "generic":
+    table = table_of(argv[1:], _FORMAT.value)
+    if table == "generic":
       print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
       return
-    problems = wrong_format(argv[1:], _FORMAT.value)
-    if problems:
-      raise SummaryError(f"not {_FORMAT.value} runs: {'; '.join(problems)}.")
-    import importlib  # The runners import jax: only when asked for.
+    from fedjax_mm import runner  # The runners import jax: only when asked for.
 
-    print(importlib.import_module(f"fedjax_mm.runner.{_FORMAT.value}").summarize(argv[1:]))
+    print(runner.system(table).summarize(argv[1:]))
   except SummaryError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

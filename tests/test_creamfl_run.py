@@ -13,6 +13,7 @@ from experiments import creamfl as creamfl_config
 from fedjax_mm import core, data
 from fedjax_mm.algorithms import creamfl
 from fedjax_mm.runner import creamfl as runner
+from fedjax_mm.runner import creamfl_report
 from fedjax_mm.runner.workdir import WorkdirError
 
 
@@ -232,7 +233,7 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   assert again["vqa"] == result["vqa"]  # evaluated anew on the restored servers: the same
 
   # The seeds summary: identical runs have zero spread.
-  summary = runner.summarize([workdir, workdir])
+  summary = creamfl_report.summarize([workdir, workdir])
   table = summary.split("\n\n")[0]
   assert "| CreamFL " in table and table.count("±") == table.count("± 0.00") > 10
   vqa_table = summary.split("VQA (Table 2 analogue), accuracy %:\n")[1].split("\n\n")[0]
@@ -252,17 +253,17 @@ def test_r1_sum_is_the_sum_of_the_four_r1_values():
   }
   assert runner.r1_sum(recall, (1000, 5000)) == pytest.approx(49.66 + 38.94 + 25.33 + 18.95)
   assert runner.r1_sum(recall, (1000,)) == pytest.approx(49.66 + 38.94)
-  assert runner.rsum(recall, (1000, 5000)) == pytest.approx(
+  assert creamfl_report.rsum(recall, (1000, 5000)) == pytest.approx(
     sum(sum(t.values()) for t in recall.values())
   )
-  assert [runner.size_label(n) for n in (1000, 5000, 250)] == ["1K", "5K", "250"]
+  assert [creamfl_report.size_label(n) for n in (1000, 5000, 250)] == ["1K", "5K", "250"]
 
 
 @pytest.mark.parametrize("num_images,captions", [(3, 2), (4, 1), (2, 3)])
 def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
   """Against enumeration of every ranking of the candidates (all equally likely)."""
   ks = (1, 2, 5)
-  got = runner.chance_recall(num_images, captions, ks)
+  got = creamfl_report.chance_recall(num_images, captions, ks)
   # i2t: image 0's C correct captions among C N candidates.
   candidates = num_images * captions
   rankings = list(itertools.permutations(range(candidates)))
@@ -275,6 +276,7 @@ def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
 
 
 def test_summarize_refuses_results_of_the_old_protocol(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"seed": 0}))
   (tmp_path / "results.json").write_text(json.dumps({"recall": {}, "r1_sum": {}, "seed": 0}))
   with pytest.raises(ValueError, match="predates the public-distribution 1K/5K protocol"):
-    runner.summarize([tmp_path])
+    creamfl_report.summarize([tmp_path])

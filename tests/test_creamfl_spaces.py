@@ -22,6 +22,7 @@ from experiments import creamfl as creamfl_config
 from fedjax_mm import data, models
 from fedjax_mm.algorithms import creamfl, creamfl_fedavg
 from fedjax_mm.runner import creamfl as runner
+from fedjax_mm.runner import creamfl_data
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
@@ -201,7 +202,7 @@ def _tfds(tiny_bert, text_tokenizer=""):
 def test_data_text_tokenizer(tiny_bert):
   # Empty: the run's one hf: text encoder, whose space (and key) the zoo towers share.
   config = _tfds(tiny_bert)
-  assert runner.zoo_tokenizer(config) == tiny_bert
+  assert creamfl_data.zoo_tokenizer(config) == tiny_bert
   assert runner.text_spaces(config) == (tiny_bert,)
   assert runner.text_key(config, "gru") == text_lib.caption_key(tiny_bert)
   # Their embeddings read the tokenizer's ids (MiniLM's 30,522), of its length.
@@ -213,13 +214,13 @@ def test_data_text_tokenizer(tiny_bert):
   assert states[2].params["text_encoder"]["embed"]["embedding"].shape == (1, 30522, 64)
   # Named: another checkpoint, its own space beside the server's.
   config = _tfds(tiny_bert, MINILM)
-  assert runner.zoo_tokenizer(config) == MINILM
+  assert creamfl_data.zoo_tokenizer(config) == MINILM
   assert runner.text_spaces(config) == tuple(sorted((MINILM, tiny_bert)))
   # On the world the key is not read: zoo towers read the world's ids.
   world = creamfl_config.get_config("smoke")
   world.data.text_tokenizer = "not-a-checkpoint"
   runner.validate(world)
-  assert runner.zoo_tokenizer(world) is None and runner.text_spaces(world) == (None,)
+  assert creamfl_data.zoo_tokenizer(world) is None and runner.text_spaces(world) == (None,)
   assert runner.text_sizes(world) == {"vocab_size": data.VOCAB_SIZE, "max_len": 16}
 
 

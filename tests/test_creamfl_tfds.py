@@ -23,6 +23,7 @@ from experiments import creamfl as creamfl_config
 from fedjax_mm.core import optim
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import creamfl as runner
+from fedjax_mm.runner import creamfl_data, creamfl_report
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
@@ -73,7 +74,7 @@ def test_world_default_ignores_the_data_block():
   config = creamfl_config.get_config("smoke")
   assert config.data.source == "world" and runner.data_source(config) == "world"
   groups = list(runner.GROUPS)
-  world = [runner._client_data(config, name, g) for g, name in enumerate(groups)]
+  world = [creamfl_data._client_data(config, name, g) for g, name in enumerate(groups)]
   # A world run with the TFDS keys changed, and one without a data block at all (a config
   # written before it existed), get exactly the same private data and tasks.
   changed = creamfl_config.get_config("smoke")
@@ -85,9 +86,11 @@ def test_world_default_ignores_the_data_block():
   for other in (changed, bare):
     runner.validate(other)
     assert runner.data_source(other) == "world"
-    got = [runner._client_data(other, name, g) for g, name in enumerate(groups)]
+    got = [creamfl_data._client_data(other, name, g) for g, name in enumerate(groups)]
     jax.tree.map(np.testing.assert_array_equal, got, world)
-    assert [runner._group_task(other, g) for g in groups] == [runner.GROUPS[g][1] for g in groups]
+    assert [creamfl_data._group_task(other, g) for g in groups] == [
+      runner.GROUPS[g][1] for g in groups
+    ]
   # The :paper variant reads TFDS, without the world's VQA analogue and private test.
   paper = creamfl_config.get_config("paper")
   assert (paper.data.source, paper.vqa.enabled, paper.test.private_size) == ("tfds", False, 0)
@@ -130,9 +133,9 @@ def test_sets_are_disjoint_slices_of_the_limited_splits(mock_tfds):
   assert test["image"].shape == (8, size, size, 3) and test[CAPTION].shape == (40, length)
   np.testing.assert_array_equal(test["ids"], np.repeat(np.arange(8), 5))
   # The groups' tasks are the datasets' classes, and each pool is split among its clients.
-  assert runner._group_task(config, "image")[2:4] == ("label100", 100)
-  assert runner._group_task(config, "text")[2:4] == ("caption_label", 4)
-  train = [runner._client_data(config, g, i, sets[g]) for i, g in enumerate(runner.GROUPS)]
+  assert creamfl_data._group_task(config, "image")[2:4] == ("label100", 100)
+  assert creamfl_data._group_task(config, "text")[2:4] == ("caption_label", 4)
+  train = [creamfl_data._client_data(config, g, i, sets[g]) for i, g in enumerate(runner.GROUPS)]
   assert [int(np.asarray(d.num_samples).sum()) for d in train] == [12, 12, 6]
   assert [d.num_clients for d in train] == [2, 2, 2] and "label100" in train[0].arrays
   # Another seed draws other examples from the same pools.
@@ -152,8 +155,8 @@ def test_data_limit_scales_the_test_protocols_down(mock_tfds):
   sets = runner._tfds_sets(config)
   # 12 test images available: 10 kept, the 1K test = 5 folds of 2, the 5K test = all 10.
   assert sets["test"]["public"]["image"].shape[0] == 10
-  assert runner._fold_images(config, 10) == {"1K": 2, "5K": 10}
-  chance = runner._chance(config, 10)
+  assert creamfl_report.fold_images(config, 10) == {"1K": 2, "5K": 10}
+  chance = creamfl_report.chance_levels(config, 10)
   assert chance["5K"]["t2i_R@1"] == pytest.approx(10.0)  # 1 in 10
   config.data.limit = 9  # 5 folds need 10 images at least
   config.public.size = 4
@@ -259,6 +262,6 @@ def test_paper_trains_a_round_on_mock_data_through_main(tmp_path, main_cache):
   assert "Data (TFDS, data.limit=20, images 16 px)" in report
   assert "20 test images x 5 captions of coco_captions" in report
   # The seeds' summary names the same test set (a TFDS run has no world shift).
-  summary = runner.summarize([tmp_path / "run"])
+  summary = creamfl_report.summarize([tmp_path / "run"])
   assert "20 test images of coco_captions (test split)" in summary
   assert "shift" not in summary

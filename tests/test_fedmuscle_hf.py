@@ -13,6 +13,7 @@ from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data, models
 from fedjax_mm.models import hf, hf_bert
 from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner import fedmuscle_data
 from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
@@ -61,14 +62,14 @@ def test_validation(encoders, message):
 
 def test_validation_accepts_one_checkpoint_for_all_text_users():
   users = runner.validate(_config((MINILM, MINILM)))
-  assert runner.text_spaces(users) == (MINILM,)
+  assert fedmuscle_data.text_spaces(users) == (MINILM,)
 
 
 def test_validation_accepts_several_token_spaces():
   """The world's vocabulary and checkpoints side by side: one token space each."""
   other = "hf:" + str(hf.resolve(MINILM))  # the same tokenizer under another name: its own space
   users = runner.validate(_config((MINILM, "transformer_t", other, "gru")))
-  assert runner.text_spaces(users) == (None, *sorted((MINILM, other)))
+  assert fedmuscle_data.text_spaces(users) == (None, *sorted((MINILM, other)))
   keys = [runner._task(u).input_key for u in users]
   assert keys == ["image", f"caption:{MINILM}", "caption", f"caption:{other}", "caption"]
 

@@ -13,6 +13,7 @@ from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data
 from fedjax_mm.models import hf
 from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner import fedmuscle_data
 from fedjax_mm.runner import text as text_lib
 
 
@@ -45,7 +46,7 @@ def test_each_text_user_reads_its_own_tokenizers_ids(checkpoints):
   bert, distilbert = checkpoints
   config = _config((bert, distilbert, "transformer_t"))
   users = runner.validate(config)
-  assert runner.text_spaces(users) == (None, *sorted(checkpoints))
+  assert fedmuscle_data.text_spaces(users) == (None, *sorted(checkpoints))
   train, test, public = runner._user_data(config, users)
   # The same draws with every text user on the world's vocabulary: the captions as world ids.
   world = _config(("transformer_t",) * 3)

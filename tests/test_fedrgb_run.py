@@ -13,6 +13,7 @@ import pytest
 from experiments import fedrgb as fedrgb_config
 from fedjax_mm.core import cost
 from fedjax_mm.runner import fedrgb as runner
+from fedjax_mm.runner import fedrgb_report
 from fedjax_mm.runner.errors import ConfigError
 
 
@@ -189,7 +190,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
     assert sorted(r["round"] for r in records if r["run"] == m) == list(range(1, config.rounds + 1))
 
   # The seeds' summary reads the same numbers back, with the paired difference.
-  table = runner.summarize([workdir])
+  table = fedrgb_report.summarize([workdir])
   fedrgb = reference["methods"]["fedrgb"]["mean"]["gallery_t2i_R@1"]
   fedavg = reference["methods"]["fedavg"]["mean"]["gallery_t2i_R@1"]
   assert f"| {fedrgb:.1f} ± 0.0" in table
@@ -207,7 +208,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   cfg = json.loads((other / "config.json").read_text())
   (other / "config.json").write_text(json.dumps(cfg | {"rounds": 3}))
   with pytest.raises(ValueError, match="more than the seed"):
-    runner.summarize([workdir, other])
+    fedrgb_report.summarize([workdir, other])
 
 
 def test_segmentation_target_is_every_object_or_one_shape():

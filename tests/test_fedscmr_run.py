@@ -13,6 +13,7 @@ from experiments import fedscmr as fedscmr_config
 from fedjax_mm import models
 from fedjax_mm.core import cost
 from fedjax_mm.runner import fedscmr as runner
+from fedjax_mm.runner import fedscmr_report
 from fedjax_mm.runner.workdir import WorkdirError
 
 
@@ -151,7 +152,7 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   for key in ("global_test", "own_test"):
     assert set(reference[key]) == set(config.methods)
     for m, summary in reference[key].items():
-      mean = np.mean([v for c in reference[runner.PROTOCOLS[key.split("_")[0]][0]][m].values()
+      mean = np.mean([v for c in reference[fedscmr_report.PROTOCOLS[key.split("_")[0]][0]][m].values()
                       for k, v in c.items() if k.startswith("mAP")])  # fmt: skip
       assert summary["mAP"] == pytest.approx(mean)
   assert set(reference["chance"]) == {"global_test", "own_test"}
@@ -203,7 +204,7 @@ def test_summary_over_runs_is_mean_and_std():
     for c in m.values():
       for k in c:
         c[k] += 0.1
-  tables = runner.tables([one, two])
+  tables = fedscmr_report.tables([one, two])
   # A at N=10: values 0.5 and 0.6, sample std 0.0707.
   assert "| mAP    | Img2Txt | FedAvg  | 0.5500 ± 0.0707 | 0.7500 ± 0.0707 |" in tables["main"]
   assert "ablation" not in tables
@@ -226,9 +227,10 @@ def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
       "weights": {"fedscmr": {"A": [0.5, 0.2, 0.4], "B": [0.5, 0.8, 0.6]}},
     }
     (tmp_path / str(seed)).mkdir()
+    (tmp_path / str(seed) / "config.json").write_text(json.dumps({"seed": seed}))
     (tmp_path / str(seed) / "results.json").write_text(json.dumps(result))
     dirs.append(tmp_path / str(seed))
-  text = runner.summarize(dirs)
+  text = fedscmr_report.summarize(dirs)
   shared = text.index("Ranking on the shared test")
   own = text.index("Ranking on the own-class test")
   assert shared < own

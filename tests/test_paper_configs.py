@@ -23,7 +23,7 @@ from experiments import fedmuscle as fedmuscle_config
 from experiments import fedscmr as fedscmr_config
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.models import hf, hf_vit
-from fedjax_mm.runner import creamfl, fedmuscle, fedscmr, validation
+from fedjax_mm.runner import creamfl, fedmuscle, fedmuscle_data, fedscmr, validation
 from fedjax_mm.runner.errors import ConfigError
 
 PAPER = [
@@ -245,7 +245,7 @@ def test_fedmuscle_paper_setup2_trains_a_round_with_tiny_checkpoints(tmp_path, m
   )
   with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
     users = fedmuscle.validate(config)
-    assert fedmuscle.text_spaces(users) == tuple(sorted((bert, distilbert)))
+    assert fedmuscle_data.text_spaces(users) == tuple(sorted((bert, distilbert)))
     train, _, public = fedmuscle._user_data(config, users)
     results = fedmuscle.run(config, tmp_path / "run", progress=False)
   for u in users[6:8]:  # SS on COCO's semantic masks, resized to 16 px by nearest pixel

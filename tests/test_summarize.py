@@ -105,3 +105,31 @@ def test_a_run_the_table_does_not_fit_is_one_line_naming_what_it_is(tmp_path, ca
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and err == line + "\n", err
   flags.FLAGS.unparse_flags()
+
+
+def test_a_run_names_its_system_and_the_table_follows_it(tmp_path, capsys):
+  """results.json's "system" picks the table; runs of different systems are refused."""
+  rcsr = _results_only(tmp_path / "rcsr", {"system": "rcsr", "methods": {}, "modality": []})
+  muscle = _results_only(tmp_path / "muscle", {"system": "fedmuscle", "delta": 0.1})
+  legacy = _run(tmp_path / "legacy", 0, "muscle", 0.1, [0.5])
+  assert summarize.table_of([rcsr]) == "rcsr"
+  assert summarize.table_of([muscle]) == "generic"  # FedMuscle has no table of its own
+  assert summarize.table_of([legacy]) == "generic"  # an older run names no system
+  assert summarize.table_of([rcsr], "generic") == "generic"
+  with pytest.raises(ValueError, match=r"^not fedrgb runs: .*rcsr \(a rcsr run\)\.$"):
+    summarize.table_of([rcsr], "fedrgb")
+  for mixed in ([rcsr, muscle], [muscle, legacy]):
+    with pytest.raises(ValueError, match="^the runs are of different systems: "):
+      summarize.table_of(mixed)
+  from absl import flags
+
+  flags.FLAGS.unparse_flags()
+  with pytest.raises(SystemExit) as e:
+    summarize.main(flags.FLAGS(["summarize", str(rcsr), str(muscle)]))
+  flags.FLAGS.unparse_flags()
+  out, err = capsys.readouterr()
+  assert e.value.code == 2 and out == ""
+  assert err == (
+    f"error: the runs are of different systems: {rcsr} (rcsr); {muscle} (fedmuscle); "
+    "summarise them separately.\n"
+  )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import fedmuscle as fedmuscle_config
-from fedjax_mm.runner import cost, report
+from fedjax_mm.runner import cost, fedmuscle_report, report
 from fedjax_mm.runner import fedmuscle as runner
 
 _VARIANT = flags.DEFINE_string("variant", None, "experiments/fedmuscle.py variant (e.g. smoke)")
@@ -34,7 +34,7 @@ def main(argv):
     c = count(["fedmuscle"])["fedmuscle"]
     rows.append([f"FedMuscle ({loss})", c])
   others = [m for m in runner.METHODS if m != "fedmuscle"]
-  rows += [[runner.label(config, m), c] for m, c in count(others).items()]
+  rows += [[fedmuscle_report.label(config, m), c] for m, c in count(others).items()]
   per_user = "per user (" + ", ".join(f"{u.index + 1}: {u.encoder}/{u.task}" for u in users) + ")"
   print(
     report.format_table(

@@ -49,7 +49,7 @@ head reads (``features="pooled"`` in the runner takes the encoders' pooled
 outputs instead).
 
 Everything here is pure, un-jitted (the caller jits at the top, with the
-feature extraction: :func:`fedjax_mm.runner.creamfl.vqa_accuracy`) and
+feature extraction: :func:`fedjax_mm.runner.creamfl_data.vqa_accuracy`) and
 deterministic given the key; :func:`evaluate` fits the head and the blind head
 together (``vmap`` over the image switch ``sees_image``).
 """
@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_mm import metrics
+from fedjax_mm.core.client import apply_in_batches
 
 Array = jax.Array
 
@@ -75,6 +76,7 @@ __all__ = [
   "init_head",
   "majority_logits",
   "predict",
+  "server_features",
 ]
 
 
@@ -293,3 +295,19 @@ def evaluate(
     "majority_accuracy": majority_overall,
     "majority_per_type": majority_per_type,
   }
+
+
+def server_features(model, images: Array, arguments: Array, features: str) -> tuple[Array, Array]:
+  """The frozen server's ``(image [N, h_v], argument [U, h_t])`` features for the head.
+
+  ``model`` is a :class:`fedjax_mm.algorithms.creamfl.DualEncoder`; ``features``
+  ``"representation"`` reads its L2-normalised representations (the authors'
+  head), ``"pooled"`` its encoders' pooled outputs. 256 rows at a time.
+  """
+  if features == "representation":
+    image = lambda x: model.represent(x, "image")
+    text = lambda x: model.represent(x, "text")
+  else:
+    image = lambda x: model.image_encoder(x)[0]
+    text = lambda x: model.text_encoder(x)[0]
+  return apply_in_batches(image, images, 256), apply_in_batches(text, arguments, 256)

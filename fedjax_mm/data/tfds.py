@@ -55,8 +55,8 @@ Each reader names the labelled splits a runner trains and tests on
 (:attr:`Reader.splits`: ``validation`` is VOC's and COCO panoptic's test set) and
 its classes per label key (:attr:`Reader.classes`). FedMuscle's runner reads its users' sets and
 public set this way when ``config.data.source = "tfds"``
-(:func:`fedjax_mm.runner.fedmuscle._tfds_sets`), CreamFL's its clients' pools, public
-set and test set (:func:`fedjax_mm.runner.creamfl._tfds_sets`), both through
+(:func:`fedjax_mm.runner.fedmuscle_data._tfds_sets`), CreamFL's its clients' pools, public
+set and test set (:func:`fedjax_mm.runner.creamfl_data._tfds_sets`), both through
 :func:`fedjax_mm.runner.tfds_sets.read_disjoint`.
 
 Where the data must be

@@ -1,10 +1,12 @@
 """The experiment runner: the loop every system plugs into, and its host-side plumbing.
 
 :mod:`fedjax_mm.runner.loop` is the one experiment loop (workdir, resume, NaN
-guard, ledger, checkpoints, report files); ``fedmuscle``, ``creamfl`` and
-``fedscmr`` plug their systems into it and ``pretrain`` has a loop of its own.
-Each exposes ``run(config, workdir, *, overwrite, progress)``, which
-:func:`experiment_runner` finds by config name (:data:`EXPERIMENTS`). None of
+guard, ledger, checkpoints, report files); ``fedmuscle``, ``creamfl``,
+``fedrgb``, ``fedscmr`` and ``rcsr`` each declare their system as a
+:class:`~fedjax_mm.runner.loop.System` named ``SYSTEM`` (:func:`system` finds it
+by config name), and ``pretrain`` has a loop of its own. :func:`experiment_runner`
+gives the ``run(config, workdir, *, overwrite, progress)`` of any of them
+(:data:`EXPERIMENTS`). None of
 them is imported here: they import jax.
 
 ==========================  ================================================
@@ -25,7 +27,8 @@ report.percent, mean_std    ``+16.9%``, ``+16.9 ± 2.1`` (fractions in)
 report.write_report         ``report.md`` from (heading, body) sections
 report.write_text           replace a text file atomically (``results.json``)
 report.plot_curves          PNG grid of learning curves (Agg, lazy import)
-EXPERIMENTS                 config stem -> module of its ``run``
+EXPERIMENTS                 config stem -> module of its ``SYSTEM`` / ``run``
+system                      the ``System`` of a config stem (None: no system)
 ==========================  ================================================
 
 Nothing here imports jax; matplotlib and tensorboardX are imported only when
@@ -63,6 +66,7 @@ __all__ = [
   "plot_curves",
   "prepare_workdir",
   "read_metrics",
+  "system",
   "write_report",
   "write_text",
 ]
@@ -79,10 +83,22 @@ EXPERIMENTS = {
 }
 
 
-def experiment_runner(name: str) -> Callable[..., Any]:
-  """``run(config, workdir, *, overwrite, progress)`` of the experiment ``name``.
+def system(name: str) -> Any:
+  """The :class:`~fedjax_mm.runner.loop.System` of the experiment ``name``; None for one
+  with a loop of its own (``pretrain``).
 
   Raises:
     KeyError: ``name`` is not in :data:`EXPERIMENTS`.
   """
-  return importlib.import_module(EXPERIMENTS[name]).run
+  return getattr(importlib.import_module(EXPERIMENTS[name]), "SYSTEM", None)
+
+
+def experiment_runner(name: str) -> Callable[..., Any]:
+  """``run(config, workdir, *, overwrite, progress)`` of the experiment ``name``: its
+  system's :meth:`~fedjax_mm.runner.loop.System.run`, or the module's own ``run``.
+
+  Raises:
+    KeyError: ``name`` is not in :data:`EXPERIMENTS`.
+  """
+  found = system(name)
+  return found.run if found is not None else importlib.import_module(EXPERIMENTS[name]).run

@@ -59,7 +59,8 @@ needs, in one place:
   :attr:`Experiment.report` turns the last evaluation and the history read
   back from ``metrics.jsonl`` (the same lines whether or not the run was
   resumed) into a :class:`Report`, which the loop writes as ``report.md``, PNG
-  plots and ``results.json`` (atomically), and prints.
+  plots and ``results.json`` (atomically, its first key ``"system"``: the
+  :attr:`System.name`), and prints.
 
 Order within a round: every method in turn runs its round, is checked, is
 counted in the ledger, and is evaluated when the round is an evaluation round
@@ -77,10 +78,18 @@ exits 143). With one process, SIGTERM is ``main.py``'s own handler.
 
 The interface follows fedjax's ``FederatedAlgorithm`` and optax's
 ``GradientTransformation``: a tuple of functions with no hidden state. A system
-module defines ``experiment(config) -> Experiment`` and the entry point
-``run(config, workdir, ...) = loop.run(experiment, config, workdir, ...)``,
-and its config stem joins :data:`fedjax_mm.runner.EXPERIMENTS`, through which
-``experiments/main.py`` finds it.
+is a :class:`System` (big_vision's one trainer, each project its model and
+evaluators): its name, the methods its ``config.methods`` may name, its
+``validate`` (the shared :func:`~fedjax_mm.runner.validation.check_methods`
+first, then its checks between fields), its ``experiment(config) ->
+Experiment`` (data, models, algorithms; evaluation and traffic as functions),
+optionally the declarative spec of its result table
+(:class:`~fedjax_mm.runner.report.Table`), a hook for report sections beyond
+the table, and its summary over seeds. A module defines one as ``SYSTEM``;
+``SYSTEM.run`` is the entry point, and its config stem joins
+:data:`fedjax_mm.runner.EXPERIMENTS`, through which ``experiments/main.py``
+finds it. :func:`run` still takes a bare ``experiment`` function too (a toy, a
+system not yet declared).
 """
 
 from __future__ import annotations
@@ -104,7 +113,7 @@ from fedjax_mm.runner.errors import ConfigError, NonFiniteError, Preempted, chec
 from fedjax_mm.runner.workdir import WorkdirError, claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
-__all__ = ["Curves", "Experiment", "Outcome", "Report", "run"]
+__all__ = ["Curves", "Experiment", "Outcome", "Report", "System", "run"]
 
 #: A method's jitted round: its state (donated) -> (next state, round output).
 RoundFn = Callable[[Any], tuple[Any, Any]]
@@ -223,8 +232,55 @@ class Experiment(NamedTuple):
   postfix: Callable[[Mapping[str, Any]], Mapping[str, str]] = _no_postfix
 
 
+class System(NamedTuple):
+  """One federated system as the loop runs it: what it is, and how it builds a run.
+
+  Attributes:
+    name: the system's name (``"creamfl"``): its config stem in
+      :data:`fedjax_mm.runner.EXPERIMENTS`, and ``results.json``'s ``"system"``.
+    methods: every method ``config.methods`` may name, in report order.
+    validate: ``config -> None``, raising a one-line
+      :class:`~fedjax_mm.runner.errors.ConfigError`: the shared checks
+      (:func:`~fedjax_mm.runner.validation.check_numbers`,
+      :func:`~fedjax_mm.runner.validation.check_methods` against
+      :attr:`methods`), then the system's checks between fields. Called again by
+      :attr:`experiment` before it builds anything.
+    experiment: ``config -> Experiment``: data, models and algorithms built,
+      with the system's evaluation (``state -> metrics``), traffic and report.
+    table: the declarative spec of its result table (columns, headline, chance
+      row), when the system gives one; its report and summary render it.
+    sections: ``(config, Outcome) -> [(heading, body)]``, report sections
+      beyond the result table (CreamFL's VQA table, FedRGB's distortion
+      matrix), appended to :attr:`Report.sections`; None for none.
+    summarize: ``workdirs -> markdown``, its table over seeds of finished runs
+      (``experiments/summarize.py``); None: the generic table only.
+  """
+
+  name: str
+  methods: Sequence[str]
+  validate: Callable[[Any], None]
+  experiment: Callable[[Any], Experiment]
+  table: report_lib.Table | None = None
+  sections: Callable[[Any, Outcome], Sequence[tuple[str, str]]] | None = None
+  summarize: Callable[[Sequence[Any]], str] | None = None
+
+  def run(
+    self,
+    config,
+    workdir: str | pathlib.Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+  ) -> Mapping[str, Any]:
+    """Trains every method of ``config.methods`` in ``workdir``; resumes a run killed there.
+
+    :func:`fedjax_mm.runner.loop.run` of this system (see there).
+    """
+    return run(self, config, workdir, overwrite=overwrite, progress=progress)
+
+
 def run(
-  build: Callable[[Any], Experiment],
+  build: System | Callable[[Any], Experiment],
   config,
   workdir: str | pathlib.Path,
   *,
@@ -234,8 +290,9 @@ def run(
   """Runs ``build(config)`` for ``config.rounds`` rounds in ``workdir``; see the module docstring.
 
   Args:
-    build: the system's ``experiment(config)``; it validates the config
-      (raising ``ConfigError``) before anything else happens.
+    build: the :class:`System`, or a bare ``experiment(config)``; either
+      validates the config (raising ``ConfigError``) before anything else
+      happens.
     config: an ``ml_collections.ConfigDict`` with ``rounds`` and
       ``checkpoint_every``; stored as ``config.json``.
     workdir: the run's folder.
@@ -243,7 +300,8 @@ def run(
     progress: show a progress bar over rounds (on process 0).
 
   Returns:
-    :attr:`Report.results`, also written to ``results.json``; on processes
+    :attr:`Report.results`, after ``"system"``: the :attr:`System.name` when
+    ``build`` is a System; also written to ``results.json``. On processes
     other than 0 of a multi-process job, which write no report, ``{}``.
 
   Raises:
@@ -253,7 +311,8 @@ def run(
       processes, all stopped after the same round on a preemption notice
       (SIGTERM to any of them), that round checkpointed.
   """
-  experiment = build(config)
+  system = build if isinstance(build, System) else None
+  experiment = system.experiment(config) if system else build(config)
   _check_memory(experiment)
   workdir = pathlib.Path(workdir)
   writes = processes.is_primary()
@@ -300,14 +359,19 @@ def run(
       return {}
     outcome = Outcome(final, read_metrics(workdir), ledgers, time.time() - started, start)
     report = experiment.report(outcome)
+    if system is not None and system.sections is not None:
+      report = report._replace(sections=[*report.sections, *system.sections(config, outcome)])
     report_lib.write_report(workdir / "report.md", title=report.title, sections=report.sections)
     for name, curves in report.plots.items():
       report_lib.plot_curves(
         workdir / name, curves.series, title=curves.title, ylabel=curves.ylabel
       )
-    report_lib.write_text(workdir / "results.json", json.dumps(report.results, indent=2))
+    results = report.results
+    if system is not None:  # Named first, so a reader (experiments/summarize.py) needs no guess.
+      results = {"system": system.name, **results}
+    report_lib.write_text(workdir / "results.json", json.dumps(results, indent=2))
     print("\n" + report.text)
-    return report.results
+    return results
 
 
 def memory_available() -> int | None:

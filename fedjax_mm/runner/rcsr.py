@@ -29,7 +29,6 @@ no upload.
 from __future__ import annotations
 
 import functools
-import pathlib
 from typing import Any
 
 import jax
@@ -48,7 +47,6 @@ from fedjax_mm.models import text as text_models
 from fedjax_mm.runner import loop, validation
 from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner.errors import ConfigError
-from fedjax_mm.runner.report import format_table
 
 KS = (1, 5, 10)
 
@@ -80,13 +78,7 @@ def validate(config) -> None:
       f"{named} must divide the {per_round} clients a round trains "
       f"(floor(participation * num_clients)): each device trains an equal share."
     )
-  if not config.methods:
-    raise ConfigError(f"methods is empty; name at least one of {list(alg.METHODS)}.")
-  unknown = [m for m in config.methods if m not in alg.METHODS]
-  if unknown:
-    raise ConfigError(f"methods: unknown {unknown}; known: {list(alg.METHODS)}.")
-  if len(set(config.methods)) != len(config.methods):
-    raise ConfigError(f"methods: each at most once, got {list(config.methods)}.")
+  validation.check_methods(config.methods, alg.METHODS)
   # The pool holds 2 N (train + test) pairs per client; half of it is held by no client.
   spare = n * (int(config.train_per_client) + int(config.test_per_client))
   if int(config.global_test) + int(config.public_size) > spare:
@@ -431,36 +423,9 @@ def experiment(config) -> loop.Experiment:
   chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
 
   def report(outcome: loop.Outcome) -> loop.Report:
-    rows = []
-    for m in methods:
-      f = outcome.final[m]
-      g, fair = f["global"], f["fairness"]
-      rows.append(
-        [m]
-        + [f"{g[f'i2t_R@{k}']:.1f}" for k in KS]
-        + [f"{g[f't2i_R@{k}']:.1f}" for k in KS]
-        + [f"{g[f'R@{k}']:.1f}" for k in KS]
-        + [
-          f"{fair['mean_R@1']:.1f}",
-          f"{fair['std_R@1']:.1f}",
-          f"{fair['worst_R@1']:.1f}",
-          f"{fair['gap_R@1']:.1f}",
-          f"{f['personal_shift']:.4f}",
-        ]
-      )
-    rows.append(
-      ["chance"]
-      + [f"{chance_global[f'R@{k}']:.1f}" for k in KS] * 3
-      + [f"{chance['R@1']:.1f}", "", "", "", ""]
+    table = TABLE.render(
+      {m: outcome.final[m] for m in methods}, {"own": chance, "global": chance_global}
     )
-    header = (
-      ["Method"]
-      + [f"I2T R@{k}" for k in KS]
-      + [f"T2I R@{k}" for k in KS]
-      + [f"Rbar@{k}" for k in KS]
-      + ["own Rbar@1 mean", "std", "worst", "gap", "personal shift"]
-    )
-    table = format_table(header, rows)
     text = (
       f"RCSR on the world: N={n}, C={config.participation}, MR={config.missing_rate}, "
       f"alpha={config.alpha}, {config.rounds} rounds, seed {config.seed}"
@@ -493,58 +458,52 @@ def experiment(config) -> loop.Experiment:
   )
 
 
-# (label, group, key) of the summary's columns.
-SUMMARY = (
-  ("I2T R@1", "global", "i2t_R@1"),
-  ("T2I R@1", "global", "t2i_R@1"),
-  ("Rbar@1", "global", "R@1"),
-  ("Rbar@5", "global", "R@5"),
-  ("Rbar@10", "global", "R@10"),
-  ("own Rbar@1 mean", "fairness", "mean_R@1"),
-  ("std", "fairness", "std_R@1"),
-  ("worst", "fairness", "worst_R@1"),
-  ("gap", "fairness", "gap_R@1"),
+#: The report's table: global Recall@K (chance K / global_test), the clients' own
+#: Rbar@1 and its spread (chance K / test_per_client), the personal adapters' shift.
+TABLE = report_lib.Table(
+  [
+    *(report_lib.Column(f"I2T R@{k}", f"global.i2t_R@{k}", chance=f"global.R@{k}") for k in KS),
+    *(report_lib.Column(f"T2I R@{k}", f"global.t2i_R@{k}", chance=f"global.R@{k}") for k in KS),
+    *(report_lib.Column(f"Rbar@{k}", f"global.R@{k}", chance=f"global.R@{k}") for k in KS),
+    report_lib.Column("own Rbar@1 mean", "fairness.mean_R@1", chance="own.R@1"),
+    report_lib.Column("std", "fairness.std_R@1"),
+    report_lib.Column("worst", "fairness.worst_R@1"),
+    report_lib.Column("gap", "fairness.gap_R@1"),
+    report_lib.Column("personal shift", "personal_shift", digits=4),
+  ],
+  headline="global.R@1",
+)
+
+#: The summary's columns over seeds: R@1 and Rbar@K of the shared test, and fairness.
+SUMMARY_TABLE = TABLE._replace(
+  columns=[
+    c for c in TABLE.columns if c.header in ("I2T R@1", "T2I R@1") or c.header.startswith("Rbar@")
+  ]
+  + [c for c in TABLE.columns if c.key.startswith("fairness.")]
 )
 
 
 def summarize(workdirs) -> str:
   """Mean ± sample std over runs (seeds) of every method, then RCSR minus every other
-  method paired by seed: ``python -m experiments.summarize --format=rcsr``.
+  method paired by seed: ``python -m experiments.summarize``.
 
   The runs must share every config key but the seed.
   """
   runs, configs = report_lib.load_seed_runs(workdirs)
-  methods = list(runs[0]["methods"])
-
-  cell = report_lib.seed_cell
-  value = lambda r, m, g, k: r["methods"][m][g][k]
-  rows = [[m] + [cell([value(r, m, g, k) for r in runs]) for _, g, k in SUMMARY] for m in methods]
-  if "rcsr" in methods:
-    for other in (m for m in methods if m != "rcsr"):
-      rows.append(
-        [f"rcsr - {other} (paired)"]
-        + [
-          cell([value(r, "rcsr", g, k) - value(r, other, g, k) for r in runs])
-          for _, g, k in SUMMARY
-        ]
-      )
-  chance = runs[0]["chance"]
-  rows.append(
-    ["chance"]
-    + [f"{chance['global']['R@1']:.1f}"] * 3
-    + [f"{chance['global'][f'R@{k}']:.1f}" for k in (5, 10)]
-    + [f"{chance['own']['R@1']:.1f}", "", "", ""]
-  )
+  table = SUMMARY_TABLE.render_seeds([r["methods"] for r in runs], runs[0]["chance"], paired="rcsr")
   seeds = ", ".join(str(c["seed"]) for c in configs)
-  table = format_table(["Method"] + [label for label, _, _ in SUMMARY], rows)
   return f"RCSR, mean ± std over seeds {seeds} (R@K, %):\n{table}"
 
 
-def run(
-  config, workdir: str | pathlib.Path, *, overwrite: bool = False, progress: bool = True
-) -> dict[str, Any]:
-  """Trains every configured method in ``workdir``; resumes a run killed there."""
-  return loop.run(experiment, config, workdir, overwrite=overwrite, progress=progress)
+#: RCSR as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
+SYSTEM = loop.System(
+  name="rcsr",
+  methods=alg.METHODS,
+  validate=validate,
+  experiment=experiment,
+  table=TABLE,
+  summarize=summarize,
+)
+run = SYSTEM.run
 
-
-__all__ = ["build", "experiment", "recall", "run", "summarize", "validate"]
+__all__ = ["SYSTEM", "TABLE", "build", "experiment", "recall", "run", "summarize", "validate"]

@@ -43,7 +43,7 @@ import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,8 @@ from fedjax_mm.runner.errors import SummaryError
 from fedjax_mm.runner.workdir import config_diff
 
 __all__ = [
+  "Column",
+  "Table",
   "format_table",
   "load_seed_runs",
   "mean_std",
@@ -249,6 +251,113 @@ def seed_cell(values: Iterable[Any], *, digits: int = 1) -> str:
   values = np.asarray(list(values), np.float64)
   std = values.std(ddof=1) if len(values) > 1 else 0.0
   return f"{values.mean():.{digits}f} ± {std:.{digits}f}"
+
+
+def lookup(tree: Mapping[str, Any], dotted: str) -> Any:
+  """``tree["a"]["b"]`` for ``"a.b"``; a path with no dot is one key (``"R@1"``)."""
+  for part in dotted.split("."):
+    tree = tree[part]
+  return tree
+
+
+class Column(NamedTuple):
+  """One column of a :class:`Table`.
+
+  Attributes:
+    header: the column's heading.
+    key: dotted path of its value in a method's final metrics (``"global.R@1"``).
+    digits: decimals printed.
+    chance: dotted path of its value in the run's chance levels; None leaves
+      the chance row's cell empty.
+  """
+
+  header: str
+  key: str
+  digits: int = 1
+  chance: str | None = None
+
+
+class Table(NamedTuple):
+  """A system's result table, declared: one row per method, then the chance row.
+
+  The report renders one run's final metrics (:meth:`render`); the summary over
+  seeds the same columns as mean ± sample std, with differences paired by seed
+  (:meth:`render_seeds`). Both read the metrics by the columns' dotted keys, so a
+  system states its table once instead of formatting it twice.
+
+  Attributes:
+    columns: the value columns, in order.
+    headline: dotted key of the run's headline metric (the one number it is
+      known by), a key of one of :attr:`columns`.
+    label: heading of the first column (the method names).
+    chance_label: first cell of the chance row.
+
+  Example:
+    >>> table = Table([Column("R@1", "R@1", chance="R@1")], headline="R@1")
+    >>> print(table.render({"a": {"R@1": 12.34}}, {"R@1": 1.0}))
+    | Method | R@1  |
+    | :----- | :--- |
+    | a      | 12.3 |
+    | chance | 1.0  |
+  """
+
+  columns: Sequence[Column]
+  headline: str
+  label: str = "Method"
+  chance_label: str = "chance"
+
+  def headers(self) -> list[str]:
+    return [self.label, *(c.header for c in self.columns)]
+
+  def headline_values(self, final: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Method -> its headline metric."""
+    return {m: float(lookup(f, self.headline)) for m, f in final.items()}
+
+  def chance_row(self, chance: Mapping[str, Any]) -> list[str]:
+    return [self.chance_label] + [
+      "" if c.chance is None else f"{float(lookup(chance, c.chance)):.{c.digits}f}"
+      for c in self.columns
+    ]
+
+  def render(
+    self, final: Mapping[str, Mapping[str, Any]], chance: Mapping[str, Any] | None = None
+  ) -> str:
+    """The table of one run: ``final`` is method -> its metrics, in row order."""
+    rows = [
+      [m] + [f"{float(lookup(f, c.key)):.{c.digits}f}" for c in self.columns]
+      for m, f in final.items()
+    ]
+    if chance is not None:
+      rows.append(self.chance_row(chance))
+    return format_table(self.headers(), rows)
+
+  def render_seeds(
+    self,
+    runs: Sequence[Mapping[str, Mapping[str, Any]]],
+    chance: Mapping[str, Any] | None = None,
+    *,
+    paired: str | None = None,
+  ) -> str:
+    """The table over seeds: each run's method -> metrics; cells :func:`seed_cell`.
+
+    With ``paired``, one more row per other method: ``paired`` minus it, run by
+    run (the same seed), then summarised.
+    """
+    methods = [m for m in runs[0] if all(m in r for r in runs)]
+    value = lambda r, m, c: float(lookup(r[m], c.key))
+    cell = lambda values, c: seed_cell(values, digits=c.digits)
+    rows = [[m] + [cell([value(r, m, c) for r in runs], c) for c in self.columns] for m in methods]
+    if paired in methods:
+      for other in (m for m in methods if m != paired):
+        rows.append(
+          [f"{paired} - {other} (paired)"]
+          + [
+            cell([value(r, paired, c) - value(r, other, c) for r in runs], c) for c in self.columns
+          ]
+        )
+    if chance is not None:
+      rows.append(self.chance_row(chance))
+    return format_table(self.headers(), rows)
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -14,7 +14,7 @@ public set, each reading its own tokenisation of the same captions: :func:`in_sp
 for the world's captions, :func:`joint_tokenizer` / :func:`split_joint` for English text
 read through TFDS. FedMuscle's users and CreamFL's server and client groups (their
 ``text_key``) read so; CreamFL's zoo towers on TFDS read the ids of an ``hf:`` tokenizer
-(``data.text_tokenizer``, :func:`fedjax_mm.runner.creamfl.token_space`) and take its
+(``data.text_tokenizer``, :func:`fedjax_mm.runner.creamfl_data.token_space`) and take its
 :func:`vocab_size`.
 """
 

@@ -60,6 +60,7 @@ __all__ = [
   "check_client_map",
   "check_data",
   "check_faults",
+  "check_methods",
   "check_numbers",
   "check_pretrained",
   "numeric_fields",
@@ -347,6 +348,28 @@ def check_numbers(config: Any, spec: Mapping[str, Range]) -> None:
     else:
       described = bounds
     raise ConfigError(f"{key} must be {described}, got {value!r}.")
+
+
+def check_methods(methods: Iterable[str], known: Iterable[str]) -> tuple[str, ...]:
+  """``methods`` (``config.methods``) checked against ``known``, every system's one check.
+
+  Returns them as given. Raises :class:`ConfigError` in one line when the list is
+  empty, names a method not in ``known``, or names one twice; a system's own rules
+  (FedMuscle's ``local``, CreamFL's parameter rows under faults) come after.
+
+  Example:
+    >>> check_methods(("a", "b"), ("a", "b", "c"))
+    ('a', 'b')
+  """
+  methods, known = tuple(methods), tuple(known)
+  if not methods:
+    raise ConfigError(f"methods is empty; name at least one of {', '.join(known)}.")
+  unknown = [m for m in methods if m not in known]
+  if unknown:
+    raise ConfigError(f"methods: unknown {unknown}; known: {', '.join(known)}.")
+  if len(set(methods)) != len(methods):
+    raise ConfigError(f"methods: each at most once, got {list(methods)}.")
+  return methods
 
 
 def check_client_map(config: Any) -> str:
