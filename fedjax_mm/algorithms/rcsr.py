@@ -210,7 +210,7 @@ Choices where the paper is silent (declared):
   reported prototypes are computed after training over all the client's samples;
   gamma_k as :func:`fedjax_mm.server.rcsr.geometry`.
 * Router optimiser: Adam at the router lr (1e-3), one step per round after warm-up
-  (t > T_w); before that w^R = |D_k| / sum |D_j| and the router is untouched.
+  (t > T_w); before that ``w^R = |D_k| / sum |D_j|`` and the router is untouched.
 * Global prototypes start as the mean of the frozen initial model's normalised
   embeddings of every client's available modality (the server has no data; this is
   the first round's clients' prototype report, computed once at init).

@@ -8,16 +8,16 @@ predicts labels from ``S`` with a linear classifier (``p_img``, ``p_txt``,
 ``[b, c]``) and maps ``S`` again into a second common subspace ``S'`` with
 EnhanceNets (``e_img``, ``e_txt``, ``[b, d']``; ``d' = d`` for eqs. 5-6).
 
-==========================  ==========================================  ===========
-term                        what it pulls / pushes                      paper
-==========================  ==========================================  ===========
-:func:`label_space_loss`    predictions of both modalities to labels    eq. (1)
-:func:`discrimination_loss`  same-label pairs together, others apart     eq. (2)
-:func:`consistency_loss`    image to its text in ``S`` and ``S'``         eq. (3)
+===========================  ===========================================  =============
+term                         what it pulls / pushes                       paper
+===========================  ===========================================  =============
+:func:`label_space_loss`     predictions of both modalities to labels     eq. (1)
+:func:`discrimination_loss`  same-label pairs together, others apart      eq. (2)
+:func:`consistency_loss`     image to its text in ``S`` and ``S'``        eq. (3)
 :func:`cross_subspace_loss`  ``S'`` of one modality to the other's ``S``  eqs. (5)-(7)
-:func:`fedscmr_loss`        ``alpha L_cs + beta L_ccs + L_imd``           eqs. (4), (8)
-:func:`dscmr_loss`          DSCMR's own objective (the baselines)       DSCMR eq. (5)
-==========================  ==========================================  ===========
+:func:`fedscmr_loss`         ``alpha L_cs + beta L_ccs + L_imd``          eqs. (4), (8)
+:func:`dscmr_loss`           DSCMR's own objective (the baselines)        DSCMR eq. (5)
+===========================  ===========================================  =============
 
 Norms. The paper writes eqs. (1), (3), (5) and (6) with Frobenius norms of
 ``[n, d]`` matrices (and eq. (1) with a ``1/n`` in front). We follow the DSCMR

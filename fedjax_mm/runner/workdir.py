@@ -6,17 +6,17 @@ A run owns one *workdir*. Everything it produces lives there: ``config.json``
 report. :func:`prepare_workdir` is called once, before anything else is
 written, and decides between three outcomes:
 
-==========================================  ==========================================
-state of ``<workdir>``                      outcome
-==========================================  ==========================================
-missing, or an empty folder                 create it, write ``config.json``; fresh run
-holds a ``config.json`` equal to ``config``  resume (nothing is written)
-holds a different ``config.json``            :class:`WorkdirError`; with ``overwrite``:
-                                            move it aside, fresh run
-non-empty folder without ``config.json``     :class:`WorkdirError`; with ``overwrite``:
-                                            move it aside, fresh run
-a file, not a folder                        :class:`WorkdirError` (even with ``overwrite``)
-==========================================  ==========================================
+============================================  ==========================================
+state of ``<workdir>``                        outcome
+============================================  ==========================================
+missing, or an empty folder                   create it, write ``config.json``; fresh run
+holds a ``config.json`` equal to ``config``   resume (nothing is written)
+holds a different ``config.json``             :class:`WorkdirError`; with ``overwrite``:
+                                              move it aside, fresh run
+non-empty folder without ``config.json``      :class:`WorkdirError`; with ``overwrite``:
+                                              move it aside, fresh run
+a file, not a folder                          :class:`WorkdirError` (even with ``overwrite``)
+============================================  ==========================================
 
 Design choices:
 
