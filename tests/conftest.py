@@ -67,6 +67,9 @@ SLOW_FILES = (
   "test_fedmuscle.py",
   "test_fedrgb.py",
   "test_paper_configs.py",
+  "test_fedrgb_faults.py",
+  "test_fedrgb_ssl.py",
+  "test_rcsr_faults.py",
 )
 
 #: Single slow tests (``file::name``, every parametrisation) of files that are otherwise fast:
@@ -75,14 +78,22 @@ SLOW_TESTS = (
   "test_cost.py::test_method_costs_split_users_and_server",
   "test_creamfl_run.py::test_padding_clients_change_no_draw_and_no_result",
   "test_creamfl_run.py::test_padding_clients_change_no_fedavg_tower",
+  "test_creamfl_fedavg.py::test_round_averages_the_trained_towers_with_the_iot_factor",
+  "test_creamfl_spaces.py::test_one_space_is_the_single_key_round",
   "test_creamfl_spaces.py::test_mixed_spaces_round_on_the_world",
   "test_fedmuscle_hf.py::test_fedmuscle_round_with_an_hf_text_user",
   "test_fedmuscle_token_spaces.py::test_a_round_with_three_token_spaces",
   "test_fedrgb_run.py::test_devices_split_the_clients",
+  "test_fedscmr.py::test_fedcmr_round_equals_its_steps_done_by_hand",
+  "test_fedscmr.py::test_round_averages_the_common_subspace_only",
+  "test_fedscmr_run.py::test_default_features_are_the_frozen_world_clip_encoders",
   "test_fedscmr_run.py::test_devices_spread_the_clients_and_change_no_result",
+  "test_models_hf_segformer.py::test_zoo_segmentation_user_trains_only_adapters_and_heads",
   "test_pretrained.py::test_pretraining_resumes_from_the_last_epoch_bit_for_bit",
   "test_pretrained.py::test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality",
   "test_pretrained.py::test_shipped_feature_stats_are_the_pretraining_datas",
+  "test_pretrained.py::test_shipped_pair_reproduces_its_recorded_quality",
+  "test_rcsr.py::test_router_loss_has_no_gradient_into_prototypes_targets",
   "test_rcsr_run.py::test_devices_split_the_sampled_clients_and_change_no_result",
 )
 
