@@ -281,7 +281,7 @@ def get_config(arg=None):
 
   config.faults = faults_config()  # experiments/faults.py: all off
   # FLOPs per round of every method, users and server apart, from XLA's cost analysis of
-  # each method's compiled steps (fedjax_mm/runner/cost.py): counted once at start-up
+  # each method's compiled steps (fedjax_mm/algorithms/cost.py): counted once at start-up
   # (a few compiles per user and method), reported beside Delta. Off by default: on 2
   # shared cores it added minutes to the main command's start-up.
   config.count_flops = False

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import fedmuscle as fedmuscle_config
-from fedjax_mm.algorithms import fedmuscle
+from fedjax_mm.algorithms import cost, fedmuscle
 from fedjax_mm.core.cost import flops, matrix_products
-from fedjax_mm.runner import cost
 from fedjax_mm.runner import fedmuscle as runner
 
 
@@ -21,7 +20,7 @@ def test_a_matmul_counts_two_m_n_k(m, k, n):
 
 
 def test_a_loop_body_counts_once():
-  # Why runner/cost.py counts one step and multiplies: XLA ignores the trip count.
+  # Why algorithms/cost.py counts one step and multiplies: XLA ignores the trip count.
   a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
   w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
   chained = lambda a, w: jax.lax.fori_loop(0, 10, lambda i, x: x @ w, a)

@@ -13,7 +13,7 @@ from flax import nnx
 from experiments import pretrain as pretrain_config
 from fedjax_mm import core, data, models
 from fedjax_mm.models import pretrained
-from fedjax_mm.runner import pretrain
+from fedjax_mm.zoo import pretrain
 
 IMAGE = {"image_size": 32, "channels": 3}
 TEXT = {"vocab_size": data.VOCAB_SIZE, "max_len": 16}

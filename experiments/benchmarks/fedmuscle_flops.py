@@ -3,10 +3,10 @@
   python -m experiments.benchmarks.fedmuscle_flops [--variant=smoke]
 
 Builds the users of ``experiments/fedmuscle.py`` (or its ``--variant``) and
-prints :func:`fedjax_mm.runner.cost.method_costs` for every method, FedMuscle
+prints :func:`fedjax_mm.algorithms.cost.method_costs` for every method, FedMuscle
 once per contrastive loss (muscle, pairwise, gramian): GFLOPs per round of
 all users, of each user, and of the server. Nothing is trained (each method's
-steps are compiled once; see ``fedjax_mm/runner/cost.py`` for what is counted).
+steps are compiled once; see ``fedjax_mm/algorithms/cost.py`` for what is counted).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import fedmuscle as fedmuscle_config
-from fedjax_mm.runner import cost, fedmuscle_report, report
+from fedjax_mm.algorithms import cost
 from fedjax_mm.runner import fedmuscle as runner
+from fedjax_mm.runner import fedmuscle_report, report
 
 _VARIANT = flags.DEFINE_string("variant", None, "experiments/fedmuscle.py variant (e.g. smoke)")
 

@@ -19,7 +19,7 @@ The loss itself is :func:`fedjax_mm.losses.symmetric_info_nce` with
 
 The module holds pure functions over an ``nnx`` model split once
 (``graphdef, params``); the experiment loop lives in
-:mod:`fedjax_mm.runner.pretrain`.
+:mod:`fedjax_mm.zoo.pretrain`.
 """
 
 from __future__ import annotations

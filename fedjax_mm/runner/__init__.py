@@ -78,7 +78,7 @@ EXPERIMENTS = {
   "fedmuscle": "fedjax_mm.runner.fedmuscle",
   "fedrgb": "fedjax_mm.runner.fedrgb",
   "fedscmr": "fedjax_mm.runner.fedscmr",
-  "pretrain": "fedjax_mm.runner.pretrain",
+  "pretrain": "fedjax_mm.zoo.pretrain",
   "rcsr": "fedjax_mm.runner.rcsr",
 }
 

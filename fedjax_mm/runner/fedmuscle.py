@@ -51,8 +51,8 @@ from fedjax_mm.algorithms import (
   sage,
   simclr,
 )
+from fedjax_mm.algorithms import cost as cost_lib
 from fedjax_mm.core import ledger as ledger_lib
-from fedjax_mm.runner import cost as cost_lib
 from fedjax_mm.runner import fedmuscle_report, loop, validation
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.fedmuscle_data import (

@@ -105,10 +105,10 @@ def flops_table(config, methods, users, costs, deltas) -> str:
   )
 
 
-#: What the FLOPs table counts (fedjax_mm/runner/cost.py).
+#: What the FLOPs table counts (fedjax_mm/algorithms/cost.py).
 FLOPS_NOTE = (
   "XLA's cost analysis of each method's steps, compiled once at start-up on each user's "
-  "model and multiplied by the steps a round runs (fedjax_mm/runner/cost.py): users' local "
+  "model and multiplied by the steps a round runs (fedjax_mm/algorithms/cost.py): users' local "
   "steps, their CL steps (FedMuscle, SimCLR), unlabelled steps (SAGE) or public-set labelling "
   "(CoFED, Curriculum Labeling); the server's targets (FedMuscle), distillation (FedDF), "
   "kernel mean (FedHeNN), parameter averages (SAGE, FedDF, FedRCL), vote tally (CoFED). "

@@ -235,7 +235,7 @@ def pretrained_features(
 
   The paper's setting: VGG-19 fc7 image features and sentence-BERT text
   features, both from networks pretrained elsewhere. Here both come from the
-  World-CLIP checkpoints (:mod:`fedjax_mm.runner.pretrain`), pretrained on the
+  World-CLIP checkpoints (:mod:`fedjax_mm.zoo.pretrain`), pretrained on the
   web split, which shares no seed with this pool: the pooled output of the
   frozen image encoder on each image, and of the frozen text encoder on one
   caption per image (chosen at random, seeded).

@@ -618,7 +618,7 @@ RCSR: dict[str, Range] = {
 }
 
 #: The numbers of ``experiments/pretrain.py`` (its ``epochs.<image encoder>`` are counts
-#: too: :func:`fedjax_mm.runner.pretrain.validate` adds them).
+#: too: :func:`fedjax_mm.zoo.pretrain.validate` adds them).
 PRETRAIN: dict[str, Range] = {
   "seed": NON_NEGATIVE_INT,
   "web.size": COUNT,  # >= batch_size: the runner's check
