@@ -14,7 +14,12 @@ dice                                binary segmentation (FedRGB)
 image_text_recall                   i2t / t2i Recall@K (CreamFL, FedMuscle)
 map_at_n, ndcg_at_n                 supervised cross-modal retrieval (FedSCMR)
 delta                               multi-task summary over users (FedMuscle)
+seeds.interval, paired_difference,  a mean over seeds with its 95% t interval;
+verdict                             a paired comparison and whether it holds
 ==================================  =========================================
+
+:mod:`fedjax_mm.metrics.seeds` is host-side numpy (and scipy's t quantile), for the
+summaries over seeds, and is imported as a module.
 """
 
 from fedjax_mm.metrics.classification import accuracy, micro_f1
