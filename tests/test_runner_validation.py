@@ -12,8 +12,9 @@ from experiments import fedscmr as fedscmr_config
 from experiments import pretrain as pretrain_config
 from experiments import rcsr as rcsr_config
 from fedjax_mm.data import world
-from fedjax_mm.runner import creamfl, fedmuscle, fedrgb, fedscmr, pretrain, rcsr, validation
+from fedjax_mm.runner import creamfl, fedmuscle, fedrgb, fedscmr, rcsr, validation
 from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.zoo import pretrain
 
 RUNNERS = {
   "fedmuscle": (fedmuscle, fedmuscle_config, validation.FEDMUSCLE, (None, "smoke", "setup2")),

@@ -130,18 +130,11 @@ from fedjax_mm.runner.tfds_sets import data_source
 
 def validate(config) -> None:
   """Checks a config. Raises :class:`ConfigError` with a one-line message."""
-  validation.check_numbers(config, validation.CREAMFL)
-  validation.check_client_map(config)
+  faults = validation.check_common(config, validation.CREAMFL, config.methods, METHODS)
   validation.check_devices(config)
-  faults = validation.check_faults(config)
-  validation.check_methods(config.methods, METHODS)
   parameter_rows = [m for m in config.methods if m in PARAMETER_ROWS]
   if faults.enabled and parameter_rows:
     raise ConfigError(f"faults: {', '.join(parameter_rows)} simulate no client faults; drop them.")
-  if config.rounds < 1:
-    raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
-  if config.eval_every < 1:
-    raise ConfigError(f"eval_every must be >= 1, got {config.eval_every}.")
   if config.image_size < 16 or config.image_size % 4:
     raise ConfigError(f"image_size must be a multiple of 4 and >= 16, got {config.image_size}.")
   if config.pretrained:
@@ -160,13 +153,6 @@ def validate(config) -> None:
           f"{config.pretrained}/{name} was pretrained on {cfg['image_size']}x{cfg['image_size']} "
           f"images; set image_size={cfg['image_size']} or pretrained=''."
         )
-  if config.rep_dim < 1:
-    raise ConfigError(f"rep_dim must be positive, got {config.rep_dim}.")
-  if not config.alpha > 0:
-    raise ConfigError(f"alpha (Dirichlet concentration) must be > 0, got {config.alpha}.")
-  for key in ("learning_rate", "server_learning_rate"):
-    if not config[key] > 0:
-      raise ConfigError(f"{key} must be > 0, got {config[key]}.")
   for key, choices in (
     ("server_optimizer", SERVER_OPTIMIZERS),
     ("server_lr_schedule", SERVER_LR_SCHEDULES),

@@ -87,11 +87,9 @@ USER_LOSSES = ("cl_loss", "distill_loss", "cka_distance", "pseudo_loss", "kept")
 
 def validate(config) -> tuple[User, ...]:
   """Checks a config; returns its users. Raises :class:`ConfigError`."""
-  validation.check_numbers(config, validation.FEDMUSCLE)
-  validation.check_client_map(config)
-  test_sizes(config)
-  faults = validation.check_faults(config)
   methods = methods_of(config)
+  faults = validation.check_common(config, validation.FEDMUSCLE, methods, METHODS)
+  test_sizes(config)
   if faults.enabled and set(methods) - {"fedmuscle", "local"}:
     raise ConfigError("faults are simulated for fedmuscle (and local) only; drop the baselines.")
   public = tuple(config.public.modalities)

@@ -134,10 +134,7 @@ def validate(config) -> None:
   Ranges of every number are :data:`fedjax_mm.runner.validation.FEDRGB`; the checks
   here are names and relations between fields.
   """
-  validation.check_numbers(config, validation.FEDRGB)
-  validation.check_client_map(config)
-  validation.check_faults(config)
-  validation.check_methods(config.methods, ROWS)
+  validation.check_common(config, validation.FEDRGB, config.methods, ROWS)
   f = config.fedrgb
   if f.dro_form not in losses.fedrgb.DRO_FORMS:
     raise ConfigError(f"fedrgb.dro_form must be one of {list(losses.fedrgb.DRO_FORMS)}.")

@@ -118,10 +118,8 @@ def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
 
 def validate(config) -> None:
   """Checks a whole config before any work. Raises :class:`ConfigError`."""
-  validation.check_numbers(config, validation.FEDSCMR)
-  validation.check_client_map(config)
+  validation.check_common(config, validation.FEDSCMR, config.methods, METHODS)
   validation.check_devices(config)
-  validation.check_faults(config)
   clients = config.clients
   if len(clients) < 2:
     raise ConfigError(f"FedSCMR needs at least 2 clients, the config has {len(clients)}.")
@@ -149,27 +147,14 @@ def validate(config) -> None:
       raise ConfigError(
         f"features.text_encoder: unknown {f.text_encoder!r}; known: {', '.join(TEXT_ENCODERS)}."
       )
-    if f.image_dim < 1 or f.image_noise < 0:
-      raise ConfigError("features.image_dim must be >= 1 and features.image_noise >= 0.")
     num_classes = data.NUM_SHAPES
     for c in clients:
       if not 1 <= c["classes"] <= num_classes:
         raise ConfigError(
           f"client {c['name']}: classes must be in [1, {num_classes}], got {c['classes']}."
         )
-  for c in clients:
-    if c["train_size"] < 1:
-      raise ConfigError(f"client {c['name']}: train_size must be >= 1, got {c['train_size']}.")
-  for key in ("rounds", "local_epochs", "batch_size", "test_size", "val_size", "global_test_size"):
-    if config[key] < 1:
-      raise ConfigError(f"{key} must be >= 1, got {config[key]}.")
-  if config.learning_rate <= 0:
-    raise ConfigError(f"learning_rate must be > 0, got {config.learning_rate}.")
-  if config.model.hidden < 1 or config.model.dim < 1:
-    raise ConfigError("model.hidden and model.dim must be >= 1.")
-  if not config.ns or any(n < 1 for n in config.ns):
+  if not config.ns:
     raise ConfigError(f"ns must be a non-empty list of positive N, got {tuple(config.ns)}.")
-  validation.check_methods(config.methods, METHODS)
   for method in config.methods:
     try:
       method_config(config, method, 2).validate()

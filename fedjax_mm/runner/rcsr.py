@@ -62,9 +62,7 @@ def validate(config) -> None:
   Ranges of every number are :data:`fedjax_mm.runner.validation.RCSR`; the checks
   here are names and relations between fields.
   """
-  validation.check_numbers(config, validation.RCSR)
-  validation.check_client_map(config)
-  validation.check_faults(config)
+  validation.check_common(config, validation.RCSR, config.methods, alg.METHODS)
   n = int(config.num_clients)
   per_round = int(float(config.participation) * n)
   if per_round < 1:
@@ -78,7 +76,6 @@ def validate(config) -> None:
       f"{named} must divide the {per_round} clients a round trains "
       f"(floor(participation * num_clients)): each device trains an equal share."
     )
-  validation.check_methods(config.methods, alg.METHODS)
   # The pool holds 2 N (train + test) pairs per client; half of it is held by no client.
   spare = n * (int(config.train_per_client) + int(config.test_per_client))
   if int(config.global_test) + int(config.public_size) > spare:

@@ -372,6 +372,24 @@ def check_methods(methods: Iterable[str], known: Iterable[str]) -> tuple[str, ..
   return methods
 
 
+def check_common(
+  config: Any, ranges: Mapping[str, Range], methods: Iterable[str], known: Iterable[str]
+) -> Faults:
+  """What every system's ``validate`` starts with; returns the run's :class:`Faults`.
+
+  In order: every number in its range (:func:`check_numbers` with the system's
+  ``ranges``), ``client_map`` (:func:`check_client_map`), the ``faults`` block
+  (:func:`check_faults`), and the methods (:func:`check_methods` against
+  ``known``, the system's :attr:`~fedjax_mm.runner.loop.System.methods`). A
+  system's own checks, between fields, come after.
+  """
+  check_numbers(config, ranges)
+  check_client_map(config)
+  faults = check_faults(config)
+  check_methods(methods, known)
+  return faults
+
+
 def check_client_map(config: Any) -> str:
   """``config.client_map`` (default ``"auto"``), checked: how the engine batches clients.
 
