@@ -42,6 +42,10 @@ def get_config(arg=None):
   config.epochs = ml_collections.ConfigDict(
     {"vit_t": 6, "cnn_s": 5, "vit_s": 4, "cnn_m": 12, "vit_b": 1}
   )
+  # Feature distillation beside the CLIP loss (fedjax_mm.algorithms.clip): the teacher
+  # (an image encoder of this run's pairs, trained first by CLIP alone) is regressed by
+  # every other image tower's pooled feature with this weight; "" distils nothing.
+  config.distill = ml_collections.ConfigDict({"teacher": "", "weight": 1.0})
   config.batch_size = 128
   config.embed_dim = 128
   config.learning_rate = 1e-3

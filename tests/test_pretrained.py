@@ -12,6 +12,7 @@ from flax import nnx
 
 from experiments import pretrain as pretrain_config
 from fedjax_mm import core, data, models
+from fedjax_mm.algorithms import clip
 from fedjax_mm.models import pretrained
 from fedjax_mm.zoo import pretrain
 
@@ -319,6 +320,52 @@ def test_pretraining_resumes_from_the_last_epoch_bit_for_bit(tmp_path, monkeypat
       np.testing.assert_array_equal(value, reference[0][name][key], err_msg=f"{name} {key}")
 
 
+def test_distillation_acts_trains_the_teacher_first_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+  """With distill.teacher = cnn_s (listed second), cnn_s trains first by CLIP alone and
+  vit_t is distilled from it: vit_t's weights differ from a run without distillation,
+  cnn_s's do not; its folder records the teacher. A stop right after the teacher's pair
+  resumes with the teacher read back from its folder and writes the same tensors."""
+  plain = _tiny_config()
+  plain.default_epochs = 2  # steps 1, 2: the teacher (cnn_s); 3, 4: vit_t
+  pretrain.run(plain, tmp_path / "plain", progress=False)
+  config = _tiny_config()
+  config.default_epochs = 2
+  config.distill.teacher = "cnn_s"
+  assert pretrain.training_order(config, [tuple(p) for p in config.pairs]) == [1, 0]
+  pretrain.run(config, tmp_path / "one", progress=False)
+  a, b = _folders_and_lines(tmp_path / "plain")[0], _folders_and_lines(tmp_path / "one")[0]
+  for key, value in a["cnn_s"].items():
+    np.testing.assert_array_equal(value, b["cnn_s"][key], err_msg=key)
+  changed = [k for k, v in a["vit_t"].items() if not np.array_equal(v, b["vit_t"][k])]
+  assert len(changed) == len(a["vit_t"]), "distillation left some vit_t tensors unchanged"
+  recorded = pretrained.read_config(tmp_path / "one" / "world-clip" / "vit_t")["pretraining"]
+  assert recorded["distilled_from"] == "cnn_s" and recorded["distill_weight"] == 1.0
+  assert (
+    "distilled_from" not in pretrained.read_config(tmp_path / "one/world-clip/cnn_s")["pretraining"]
+  )
+
+  # Preempted after vit_t's first epoch (step 3): the rerun reads the teacher back from
+  # its folder and distils it into vit_t's second epoch.
+  monkeypatch.setattr(pretrain.processes, "preempted", lambda step: step == 3)
+  with pytest.raises(pretrain.Preempted):
+    pretrain.run(config, tmp_path / "run", progress=False)
+  assert sorted(p.name for p in (tmp_path / "run" / "world-clip").iterdir()) == ["cnn_s"]
+  monkeypatch.setattr(pretrain.processes, "preempted", lambda step: False)
+  pretrain.run(config, tmp_path / "run", progress=False)
+  tensors, lines = _folders_and_lines(tmp_path / "run")
+  reference = _folders_and_lines(tmp_path / "one")
+  assert lines == reference[1]
+  for name, got in tensors.items():
+    for key, value in got.items():
+      np.testing.assert_array_equal(value, reference[0][name][key], err_msg=f"{name} {key}")
+
+
+def test_distill_loss_is_the_cosine_distance():
+  x = jnp.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+  y = jnp.array([[2.0, 0.0], [0.0, -1.0], [4.0, -3.0]])
+  np.testing.assert_allclose(clip.distill_loss(x, y), [0.0, 2.0, 1.0], atol=1e-6)
+
+
 def _eval_splits(config):
   seed = pretrain.WEB_SEED + config.seed
   held_out = data.generate(seed + 1, config.eval_pairs, shift=config.web.shift)
@@ -391,6 +438,8 @@ def test_shipped_pair_reproduces_its_recorded_quality():
     (lambda c: setattr(c, "warmup_fraction", 1.0), r"warmup_fraction must be in \[0, 1\)"),
     (lambda c: setattr(c, "eval_pairs", 5), r"^eval_pairs must be >= 10, got 5\.$"),
     (lambda c: setattr(c, "stats_size", 10**6), r"stats_size must be in \[2, web\.size\]"),
+    (lambda c: setattr(c.distill, "teacher", "cnn_m"), "distill.teacher 'cnn_m' is not an image"),
+    (lambda c: setattr(c.distill, "weight", -1.0), r"^distill\.weight must be >= 0, got -1\.0\.$"),
   ],
 )
 def test_bad_pretraining_configs_are_refused_in_one_line(change, message):

@@ -33,7 +33,7 @@ def test_verdicts():
   assert up.low > 0 and seeds.verdict(up, +1) == "reproduced"
   assert seeds.verdict(up, -1) == "reversed"
   flat = seeds.paired_difference([1.0, 2.0, 3.0], [2.0, 1.0, 3.0])
-  assert flat.low < 0 < flat.high and seeds.verdict(flat, +1) == "inconclusive"
+  assert flat.low < 0 < flat.high and seeds.verdict(flat, +1) == "undecided"
   one = seeds.paired_difference([1.0], [0.0])
   assert math.isnan(one.low) and seeds.verdict(one) == "one seed"
   assert str(one) == "+1.00 (n=1)"

@@ -17,6 +17,14 @@ The loss itself is :func:`fedjax_mm.losses.symmetric_info_nce` with
 ``temperature = exp(-s)``. One caption of each image's ``C`` is drawn per step
 (a fresh draw every epoch), which is CLIP's use of several captions per image.
 
+**Distillation** (optional, ``distill_dim > 0``): a linear head ``h`` on the image
+tower's pooled feature regresses a frozen teacher's standardised pooled feature of the
+same image, ``L += w * mean_i (1 - cos(h(f_v(image_i)), teacher_i))`` (feature
+distillation, Romero et al., *FitNets*, ICLR 2015, with a cosine target as in CLIP
+distillation work). The zoo uses it to pass one encoder's knowledge of shape to
+architectures that CLIP's caption signal alone does not teach it
+(:mod:`fedjax_mm.zoo.pretrain`). The head is never saved with the encoder.
+
 The module holds pure functions over an ``nnx`` model split once
 (``graphdef, params``); the experiment loop lives in
 :mod:`fedjax_mm.zoo.pretrain`.
@@ -41,6 +49,7 @@ __all__ = [
   "INIT_TEMPERATURE",
   "MAX_LOGIT_SCALE",
   "clip_loss",
+  "distill_loss",
 ]
 
 #: CLIP's initial temperature and the cap on the learnt logit scale.
@@ -59,6 +68,8 @@ class ClipModel(nnx.Module):
     vocab_size: token ids of the text encoder.
     max_len: caption length.
     rngs: random streams.
+    distill_dim: width of a distillation target; > 0 adds :attr:`distill_head`
+      (image pooled feature -> target), 0 none.
   """
 
   def __init__(
@@ -71,6 +82,7 @@ class ClipModel(nnx.Module):
     vocab_size: int,
     max_len: int,
     rngs: nnx.Rngs,
+    distill_dim: int = 0,
   ):
     for name, modality in ((image_encoder, "image"), (text_encoder, "text")):
       if name not in models.ENCODERS or models.ENCODERS[name][0] != modality:
@@ -86,6 +98,9 @@ class ClipModel(nnx.Module):
       self.text_encoder.features, embed_dim, use_bias=False, rngs=rngs
     )
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1.0 / INIT_TEMPERATURE), jnp.float32))
+    self.distill_head = (
+      nnx.Linear(self.image_encoder.features, distill_dim, rngs=rngs) if distill_dim else None
+    )
 
   def embed_image(self, images: jax.Array) -> jax.Array:
     """``[b, S, S, 3] -> [b, d]`` unit-norm image embeddings."""
@@ -113,6 +128,11 @@ def clip_loss(z_image: jax.Array, z_text: jax.Array, logit_scale: jax.Array) -> 
   return losses.symmetric_info_nce(z_image, z_text, temperature=temperature)
 
 
+def distill_loss(prediction: jax.Array, target: jax.Array) -> jax.Array:
+  """``[B]`` cosine distances ``1 - cos(prediction_i, target_i)`` (0 when aligned, 2 opposed)."""
+  return 1.0 - jnp.sum(l2_normalize(prediction) * l2_normalize(target), axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ClipTrainer:
   """A jittable training step for one :class:`ClipModel`.
@@ -120,18 +140,28 @@ class ClipTrainer:
   Attributes:
     graphdef: the model's graph definition (``nnx.split`` once).
     tx: the optimizer (AdamW with a warm-up cosine schedule in the runner).
+    distill_weight: ``w`` of the distillation term (used when :meth:`step` gets
+      ``targets``; the model needs a :attr:`ClipModel.distill_head`).
   """
 
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
+  distill_weight: float = 0.0
 
-  def step(self, params, opt_state, images: jax.Array, captions: jax.Array):
-    """One step on a batch of ``B`` pairs; returns ``(params, opt_state, loss)``."""
+  def step(self, params, opt_state, images: jax.Array, captions: jax.Array, targets=None):
+    """One step on a batch of ``B`` pairs; returns ``(params, opt_state, loss)``.
+
+    ``targets``: ``[B, D]`` the teacher's features of ``images``, or None (CLIP alone).
+    """
 
     def loss_fn(p):
       model = nnx.merge(self.graphdef, p)
-      z_i, z_t = model.embed_image(images), model.embed_text(captions)
-      return clip_loss(z_i, z_t, model.logit_scale[...]).mean()
+      pooled, _ = model.image_encoder(images)
+      z_i = l2_normalize(model.image_projection(pooled))
+      loss = clip_loss(z_i, model.embed_text(captions), model.logit_scale[...]).mean()
+      if targets is not None:
+        loss += self.distill_weight * distill_loss(model.distill_head(pooled), targets).mean()
+      return loss
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = self.tx.update(grads, opt_state, params)

@@ -7,7 +7,7 @@ method ``a`` on seed ``s`` minus method ``b`` on seed ``s``, so that what the se
 data, the partition and the initial models, cancels), its mean and 95% interval
 ``mean ± t_{0.975, n-1} * sd / sqrt(n)``. A claim "``a`` beats ``b``" is **reproduced**
 when the interval excludes zero in the claimed direction (:func:`verdict`); an interval
-that holds zero is **inconclusive** at these seeds, and one that excludes it the other way
+that holds zero is **undecided** at these seeds, and one that excludes it the other way
 is **reversed**.
 
 Host-side numpy and scipy (the t quantile), nothing traced.
@@ -106,7 +106,7 @@ def verdict(diff: Interval, direction: int = +1) -> str:
 
   Returns:
     ``"reproduced"`` (the interval excludes 0 in the claimed direction), ``"reversed"``
-    (it excludes 0 the other way), ``"inconclusive"`` (it holds 0), or ``"one seed"``
+    (it excludes 0 the other way), ``"undecided"`` (it holds 0), or ``"one seed"``
     (no interval).
   """
   if direction not in (-1, 1):
@@ -118,4 +118,4 @@ def verdict(diff: Interval, direction: int = +1) -> str:
     return "reproduced"
   if high < 0:
     return "reversed"
-  return "inconclusive"
+  return "undecided"

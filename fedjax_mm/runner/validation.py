@@ -642,6 +642,7 @@ PRETRAIN: dict[str, Range] = {
   "web.size": COUNT,  # >= batch_size: the runner's check
   "web.shift": FRACTION,
   "default_epochs": COUNT,
+  "distill.weight": NON_NEGATIVE,
   "batch_size": COUNT,
   "embed_dim": COUNT,
   "learning_rate": POSITIVE,

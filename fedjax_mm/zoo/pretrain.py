@@ -11,7 +11,11 @@
    1000 + small offsets), so the web split shares no stream with them;
 2. pretrains each ``(image encoder, text encoder)`` pair of ``config.pairs``
    with :mod:`fedjax_mm.algorithms.clip` (AdamW, warm-up + cosine, batches of
-   ``config.batch_size``), with a progress bar per pair;
+   ``config.batch_size``), with a progress bar per pair; with
+   ``config.distill.teacher`` set, that image encoder's pair trains first and
+   every other image tower also regresses its standardised pooled features
+   (:func:`teacher_features`, :func:`fedjax_mm.algorithms.clip.distill_loss`,
+   weight ``config.distill.weight``), which the folder's ``config.json`` records;
 3. measures each pair: linear probes on the frozen image encoder's pooled
    features (``config.probe.train`` labelled private-distribution samples,
    scored on ``config.probe.test`` others) for the primary shape (10 classes),
@@ -125,7 +129,36 @@ def validate(config) -> list[tuple[str, str]]:
     )
   if config.stats_size > config.web.size:
     raise ConfigError(f"stats_size must be in [2, web.size], got {config.stats_size}.")
+  teacher = distill_teacher(config)
+  if teacher and teacher not in [image for image, _ in pairs]:
+    raise ConfigError(
+      f"distill.teacher {teacher!r} is not an image encoder of this run's pairs "
+      f"({', '.join(image for image, _ in pairs)}): the teacher is trained first, by CLIP alone."
+    )
   return pairs
+
+
+def distill_teacher(config) -> str:
+  """The image encoder the others are distilled from (``config.distill.teacher``), or ``""``."""
+  block = config.get("distill") if callable(getattr(config, "get", None)) else None
+  return str(block.teacher) if block is not None else ""
+
+
+def training_order(config, pairs: list[tuple[str, str]]) -> list[int]:
+  """Indices of ``pairs`` in the order they train: the distillation teacher's first."""
+  teacher = distill_teacher(config)
+  return sorted(range(len(pairs)), key=lambda i: pairs[i][0] != teacher)
+
+
+def teacher_features(encoder, stats, images: np.ndarray, dtype: str) -> jax.Array:
+  """``[n, D]`` the teacher's pooled features of ``images``, standardised by its ``stats``.
+
+  ``stats`` pass through the stored ``dtype`` first, so a teacher trained in this run
+  and one read back from its folder (a resumed run) give the same targets.
+  """
+  mean, std = (jnp.asarray(np.asarray(v, dtype), jnp.float32) for v in stats)
+  feats = jax.jit(lambda x: (encoder(x)[0] - mean) / std)
+  return _batched(feats, jnp.asarray(images))
 
 
 def epochs_for(config, image_name: str) -> int:
@@ -142,7 +175,9 @@ def _optimizer(config, total_steps: int) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=config.weight_decay, mask=decay_mask)
 
 
-def _model(config, image_name: str, text_name: str, key: jax.Array) -> clip.ClipModel:
+def _model(
+  config, image_name: str, text_name: str, key: jax.Array, distill_dim: int = 0
+) -> clip.ClipModel:
   return clip.ClipModel(
     image_name,
     text_name,
@@ -151,6 +186,7 @@ def _model(config, image_name: str, text_name: str, key: jax.Array) -> clip.Clip
     vocab_size=data.VOCAB_SIZE,
     max_len=data.WorldConfig().max_caption_len,
     rngs=nnx.Rngs(key),
+    distill_dim=distill_dim,
   )
 
 
@@ -166,6 +202,7 @@ def train_pair(
   evaluate_fn=None,
   checkpointer: Checkpointer | None = None,
   stop: Callable[[], bool] | None = None,
+  targets: jax.Array | None = None,
 ):
   """Pretrains one pair; returns the trained :class:`~fedjax_mm.algorithms.clip.ClipModel`.
 
@@ -184,14 +221,19 @@ def train_pair(
       after each epoch trained and saved); True raises
       :class:`~fedjax_mm.runner.errors.Preempted` there. What
       :func:`fedjax_mm.core.processes.preempted` needs, counted over the run.
+    targets: ``[n, D]`` a teacher's features of every web image
+      (:func:`teacher_features`): distil them into the image tower with weight
+      ``config.distill.weight`` beside the CLIP loss; None: CLIP alone.
   """
   init_key, data_key = jax.random.split(key)
-  model = _model(config, image_name, text_name, init_key)
+  distill_dim = 0 if targets is None else int(targets.shape[1])
+  model = _model(config, image_name, text_name, init_key, distill_dim)
   graphdef, params = nnx.split(model, nnx.Param)
   n, b = web["image"].shape[0], config.batch_size
   steps_per_epoch = n // b
   epochs = epochs_for(config, image_name)
-  trainer = clip.ClipTrainer(graphdef, _optimizer(config, epochs * steps_per_epoch))
+  weight = float(config.distill.weight) if targets is not None else 0.0
+  trainer = clip.ClipTrainer(graphdef, _optimizer(config, epochs * steps_per_epoch), weight)
   opt_state = trainer.tx.init(params)
   pair = f"{image_name}+{text_name}"
   start = 0
@@ -211,7 +253,8 @@ def train_pair(
     perm_key, cap_key, s = key
     idx = jax.lax.dynamic_slice_in_dim(jax.random.permutation(perm_key, n), s * b, b)
     which = jax.random.randint(jax.random.fold_in(cap_key, s), (b,), 0, num_captions)
-    return trainer.step(params, opt_state, images[idx], captions[idx, which])
+    batch_targets = None if targets is None else targets[idx]
+    return trainer.step(params, opt_state, images[idx], captions[idx, which], batch_targets)
 
   writer = None if workdir is None else MetricWriter(workdir, pair, resume_round=start)
   bar = None
@@ -326,6 +369,11 @@ def _folder_config(config, model, name, modality, partner, quality, steps) -> di
       "batch_size": config.batch_size,
       "learning_rate": config.learning_rate,
       "final_temperature": float(jnp.exp(-model.logit_scale[...])),
+      **(
+        {"distilled_from": distill_teacher(config), "distill_weight": float(config.distill.weight)}
+        if modality == "image" and model.distill_head is not None
+        else {}
+      ),
     },
     "quality": quality,
   }
@@ -434,7 +482,10 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
     passed += 1
     return processes.preempted(passed) and passed < epochs_in_all
 
-  for i, (image_name, text_name) in enumerate(pairs):
+  teacher = distill_teacher(config)
+  targets = None  # The teacher's features of the web images, once its folder exists.
+  for i in training_order(config, pairs):
+    image_name, text_name = pairs[i]
     pair = f"{image_name}+{text_name}"
     checkpoints = workdir / CHECKPOINTS / pair
     done = (out_dir / image_name / pretrained.CONFIG_FILE).is_file()
@@ -460,6 +511,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           evaluate_fn=lambda m: evaluate(m, probe_train, probe_test, held_out),
           checkpointer=checkpointer,
           stop=stop,
+          targets=None if image_name == teacher else targets,
         )
       # Measure what is shipped: the parameters after the round trip through the stored dtype.
       _round_trip(model, config.dtype)
@@ -478,6 +530,15 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           web,
         )
         shutil.rmtree(checkpoints)  # The folders hold the pair now.
+    if image_name == teacher:  # It trains first; every other pair is distilled from it.
+      if done:  # Its image folder alone (its text tower's may be another pair's).
+        encoder = _model(config, image_name, text_name, jax.random.key(0)).image_encoder
+        pretrained.load_into(encoder, out_dir / image_name, expect={"encoder": image_name})
+        stats = pretrained.read_feature_stats(out_dir / image_name)
+      else:
+        encoder = model.image_encoder
+        stats = pretrained.feature_stats(encoder, stats_inputs(config, web, "image"))
+      targets = teacher_features(encoder, stats, web["image"], config.dtype)
     results["pairs"][pair] = quality
   results["wall_time_s"] = time.time() - started
   return results
