@@ -1,38 +1,39 @@
-r"""Mean ± standard deviation over seeds of finished runs.
+r"""A system's result tables over seeds of finished runs, or a generic table of any keys.
 
   python -m experiments.summarize runs/creamfl_s*       # the system's own tables
-  python -m experiments.summarize runs/fedmuscle_* [--keys=delta] [--scale=100]
-  python -m experiments.summarize --format=generic --keys=r1_sum.CreamFL --scale=1 runs/creamfl_*
+  python -m experiments.summarize --keys=delta --scale=100 runs/fedmuscle_*
 
 Every ``results.json`` names the system that wrote it (``"system": "creamfl"``,
-:class:`fedjax_mm.runner.loop.System`), and the command picks the table by it:
-a system with a summary of its own (:attr:`~fedjax_mm.runner.loop.System.summarize`:
-FedSCMR's ranking and paper-style Tables 1-4, CreamFL's Table 1 with one
-Recall@K table per test size and its chance rows, FedRGB's retrieval table with
-FedRGB - FedAvg paired by seed, RCSR's table with RCSR minus every other row
-paired by seed) prints it, each cell the mean ± std over the runs, and those runs
-must differ in nothing but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
-FedMuscle's runs, and ``--format=generic``, get the generic table: the runs are
-grouped by their config with ``seed`` left out (runs that differ only in the seed
-are one group; the group's label is the config keys that set it apart from the
-other groups), one markdown row per group: the number of seeds and, for each key
-of ``results.json`` asked for, the mean ± sample standard deviation. A key may
-index into a list (``fedmuscle.0``: user 1's metric). Values are multiplied by
-``--scale`` (100 turns fractions into percentages). A CreamFL sweep (runs that
-differ in one config key, e.g. ``creamfl.lcr_weight``) reads well in it:
-``--format=generic --keys=r1_sum.CreamFL --scale=1 --digits=2``.
+:class:`fedjax_mm.runner.loop.System`), and without ``--keys`` the command prints
+that system's result tables over the runs, from the declarative specs the system
+states (:attr:`~fedjax_mm.runner.loop.System.tables`) and each run's
+``results.json`` ``"report"`` section (:func:`fedjax_mm.runner.report.summarize`):
+each cell the mean ± the half-width of its 95% Student-t interval over the seeds,
+and for each table's reference comparison (RCSR minus every other method, FedRGB
+minus every other, CreamFL minus local and FedAvg, FedSCMR minus FedAvg and DSCMR,
+FedMuscle minus every other) the difference paired seed by seed with its mean
+[95% interval] and a verdict (:func:`fedjax_mm.metrics.seeds.verdict`: reproduced,
+inconclusive, reversed; "one seed" for one run). Those runs must differ in nothing
+but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
 
-Runs written before ``results.json`` named its system take ``--format=<system>``
-for a system's table (the generic table otherwise), and are told apart by their
-top-level keys (:data:`FORMAT_KEYS`).
+``--keys`` gives the generic table of any ``results.json`` keys instead: the runs
+are grouped by their config with ``seed`` left out (runs that differ only in the
+seed are one group; the group's label is the config keys that set it apart from
+the other groups), one markdown row per group: the number of seeds and, for each
+key asked for, the mean ± sample standard deviation. A key may index into a list
+(``fedmuscle.0``: user 1's metric). Values are multiplied by ``--scale`` (100 turns
+fractions into percentages). A CreamFL sweep (runs that differ in one config key,
+e.g. ``creamfl.lcr_weight``) reads well in it:
+``--keys=r1_sum.CreamFL --scale=1 --digits=2``.
 
 A workdir that is not a finished run (no ``config.json``, or no ``results.json``:
 still running, stopped or preempted) is refused before anything is read, all of
 them in one ``error:`` line with how far each got, exit status 2: a mean over
-fewer seeds than were asked for would pass unnoticed. So are, in one line each, runs
-of different systems, runs of another system than ``--format``'s, a ``--keys`` entry
-that is not a number in every run's ``results.json`` (with what the run is and the
-numbers it holds), and a system's runs whose configs differ in more than the seed.
+fewer seeds than were asked for would pass unnoticed. So are, in one line each, a
+``results.json`` without ``"system"`` (written before runs named their system),
+runs of different systems, a ``--keys`` entry that is not a number in every run's
+``results.json`` (with the numbers it holds), and a system's runs whose configs
+differ in more than the seed.
 """
 
 from __future__ import annotations
@@ -48,98 +49,35 @@ from fedjax_mm.runner import format_table, mean_std
 from fedjax_mm.runner.errors import SummaryError
 from fedjax_mm.runner.workdir import config_diff
 
-_KEYS = flags.DEFINE_list("keys", ["delta"], "results.json keys to summarise (dotted paths).")
-_SCALE = flags.DEFINE_float("scale", 100.0, "Factor applied to every value before printing.")
-_DIGITS = flags.DEFINE_integer("digits", 1, "Decimals to print.")
-#: The systems whose tables ``--format`` names for runs that do not name their system.
-SYSTEM_FORMATS = ("fedscmr", "creamfl", "fedrgb", "rcsr")
-
-_FORMAT = flags.DEFINE_enum(
-  "format",
-  None,
-  ["generic", *SYSTEM_FORMATS],
-  "generic table, or the table of a system (FedSCMR's Tables 1-4, CreamFL's Recall@K table,"
-  " FedRGB's or RCSR's retrieval table). Default: the system results.json names.",
+_KEYS = flags.DEFINE_list(
+  "keys", None, "results.json keys (dotted paths) for the generic table; default: the system's."
 )
-
-
-#: What marks a run of each system from before results.json named it: its top-level keys.
-FORMAT_KEYS = {
-  "fedscmr": ("ns", "methods_global"),
-  "creamfl": ("r1_sum", "recall"),
-  "fedrgb": ("methods", "distortion_steps"),
-  "rcsr": ("methods", "modality"),
-}
+_SCALE = flags.DEFINE_float("scale", 100.0, "--keys: factor applied to every value.")
+_DIGITS = flags.DEFINE_integer("digits", 1, "--keys: decimals to print.")
 
 
 def _results(workdir: pathlib.Path) -> dict:
   return json.loads((pathlib.Path(workdir) / "results.json").read_text())
 
 
-def _kind(results: dict) -> str:
-  """Which experiment wrote ``results``, as the command reads it: a system's table,
-  FedMuscle's generic table, or neither."""
-  if "system" in results:
-    return f"a {results['system']} run"
-  for name, keys in FORMAT_KEYS.items():
-    if all(k in results for k in keys):
-      return f"a {name} run: --format={name}"
-  if "delta" in results:
-    return "a fedmuscle run: the generic table"
-  if "pairs" in results and "trivial" in results:
-    return "a pretraining run: its report.md holds its table"
-  return "no run this command has a table for"
-
-
-def _system_of(results: dict) -> str | None:
-  """The system that wrote ``results``: its ``"system"``, else (an older run) the
-  system whose :data:`FORMAT_KEYS` it holds; None for neither."""
-  if "system" in results:
-    return results["system"]
-  return next((n for n, keys in FORMAT_KEYS.items() if all(k in results for k in keys)), None)
-
-
-def wrong_format(workdirs: Sequence[str | pathlib.Path], fmt: str) -> list[str]:
-  """Each of ``workdirs`` whose ``results.json`` is not a run of ``fmt``, with what it is."""
-  problems = []
-  for workdir in map(pathlib.Path, workdirs):
-    results = _results(workdir)
-    if _system_of(results) != fmt:
-      problems.append(f"{workdir} ({_kind(results)})")
-  return problems
-
-
-def table_of(workdirs: Sequence[str | pathlib.Path], fmt: str | None = None) -> str:
-  """The table to print for ``workdirs``: ``"generic"`` or the system whose summary it is.
-
-  ``fmt`` is ``--format`` (None: the runs' own ``"system"``). Runs that name their
-  system must all name the same one; a system whose
-  :attr:`~fedjax_mm.runner.loop.System.summarize` is None (FedMuscle) gets the
-  generic table, and so do older runs that name none.
+def system_of(workdirs: Sequence[str | pathlib.Path]) -> str:
+  """The system every run of ``workdirs`` names in its ``results.json``.
 
   Raises:
-    SummaryError: runs of different systems, or not of ``fmt``'s.
+    SummaryError: a run names none (written before runs named their system), or the
+      runs name different systems.
   """
   named = {pathlib.Path(w): _results(w).get("system") for w in workdirs}
-  systems = sorted({s for s in named.values() if s is not None})
-  if len(systems) > 1 or (systems and None in named.values()):
-    listed = "; ".join(f"{w} ({s or 'names no system'})" for w, s in named.items())
+  for w, s in named.items():
+    if s is None:
+      raise SummaryError(
+        f"{w}/results.json names no system: it was written before runs named their system; "
+        "run it again (it resumes and rewrites results.json), or use --keys."
+      )
+  if len(set(named.values())) > 1:
+    listed = "; ".join(f"{w} ({s})" for w, s in named.items())
     raise SummaryError(f"the runs are of different systems: {listed}; summarise them separately.")
-  if fmt is None:
-    if not systems:
-      return "generic"
-    from fedjax_mm import runner  # The runners import jax: only when a run names one.
-
-    try:
-      found = runner.system(systems[0])
-    except KeyError:
-      raise SummaryError(f"the runs are of {systems[0]!r}, no system this command knows.") from None
-    return systems[0] if found is not None and found.summarize is not None else "generic"
-  if fmt != "generic":
-    problems = wrong_format(workdirs, fmt)
-    if problems:
-      raise SummaryError(f"not {fmt} runs: {'; '.join(problems)}.")
-  return fmt
+  return next(iter(named.values()))
 
 
 def _numeric_keys(value, prefix="") -> list[str]:
@@ -195,7 +133,7 @@ def summarize(
       )
       raise SummaryError(
         f"{workdir}/results.json has no number at {', '.join(map(repr, missing))} (--keys); "
-        f"it is {_kind(results)}; its numbers: {shown or 'none'}."
+        f"it is a {results.get('system', 'nameless')} run; its numbers: {shown or 'none'}."
       )
 
   groups: dict[str, list] = {}
@@ -265,13 +203,19 @@ def main(argv):
     )
     sys.exit(2)
   try:
-    table = table_of(argv[1:], _FORMAT.value)
-    if table == "generic":
+    if _KEYS.value:
       print(summarize(argv[1:], _KEYS.value, scale=_SCALE.value, digits=_DIGITS.value))
       return
-    from fedjax_mm import runner  # The runners import jax: only when asked for.
+    name = system_of(argv[1:])
+    from fedjax_mm import runner  # The runners import jax: only when a run names one.
 
-    print(runner.system(table).summarize(argv[1:]))
+    try:
+      system = runner.system(name)
+    except KeyError:
+      system = None
+    if system is None:
+      raise SummaryError(f"the runs are of {name!r}, which has no result tables; use --keys.")
+    print(system.summarize(argv[1:]))
   except SummaryError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

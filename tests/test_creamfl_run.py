@@ -233,10 +233,11 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   assert again["vqa"] == result["vqa"]  # evaluated anew on the restored servers: the same
 
   # The seeds summary: identical runs have zero spread.
-  summary = creamfl_report.summarize([workdir, workdir])
-  table = summary.split("\n\n")[0]
+  summary = runner.SYSTEM.summarize([workdir, workdir])
+  table = summary.split("R@1_sum (public-distribution tests):\n\n")[1].split("\n\n")[0]
   assert "| CreamFL " in table and table.count("±") == table.count("± 0.00") > 10
-  vqa_table = summary.split("VQA (Table 2 analogue), accuracy %:\n")[1].split("\n\n")[0]
+  assert "| CreamFL - FedAvg (paired) " in table
+  vqa_table = summary.split("Table 2 analogue (VQA accuracy %):\n\n")[1].split("\n\n")[0]
   assert "| FedGEMS " in vqa_table and vqa_table.count("±") == vqa_table.count("± 0.00") > 10
 
   # Another config in the same workdir is refused.
@@ -275,8 +276,8 @@ def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
     assert got[f"t2i_R@{k}"] == pytest.approx(100 * np.mean(found))
 
 
-def test_summarize_refuses_results_of_the_old_protocol(tmp_path):
+def test_summarize_refuses_results_without_a_report_section(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"seed": 0}))
   (tmp_path / "results.json").write_text(json.dumps({"recall": {}, "r1_sum": {}, "seed": 0}))
-  with pytest.raises(ValueError, match="predates the public-distribution 1K/5K protocol"):
-    creamfl_report.summarize([tmp_path])
+  with pytest.raises(ValueError, match='has no "report" section'):
+    runner.SYSTEM.summarize([tmp_path])

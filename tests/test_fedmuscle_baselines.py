@@ -23,6 +23,7 @@ from fedjax_mm.core import ledger
 from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner import fedmuscle_report, loop
 from fedjax_mm.runner.errors import ConfigError
+from fedjax_mm.runner.report import flatten
 
 # ---------------------------------------------------------------- losses vs numpy
 
@@ -336,9 +337,15 @@ def test_report_has_a_column_and_a_delta_per_method():
     assert report.results[m] == final[m]
   assert report.results["delta"] == deltas["fedmuscle"]
   assert report.results["delta_excluded_users"] == ["user 3"]
-  header = report.text.splitlines()[0]
-  names = ("FedMuscle (muscle)", "SAGE", "CoFED", "FedDF", "FedHeNN", "FedRCL")
-  assert all(name in header for name in names)
+  # The result table (fedmuscle_report.tables, rendered by the loop): a row per method.
+  names = ("FedMuscle (muscle)", "SAGE", "CoFED", "FedDF", "FedHeNN", "FedRCL", "local")
+  assert all(name in report.final for name in names)
+  table = fedmuscle_report.tables(config)[0].render(
+    {m: flatten(f) for m, f in report.final.items()},
+    {"trivial": flatten(report.baselines["trivial"])},
+  )
+  assert "| FedMuscle (muscle) |" in table and "| trivial " in table
+  assert f"{100 * deltas['feddf']:+.1f} |" in table.split("| FedDF ")[1].split("\n")[0]
 
 
 def test_baseline_bytes_count_only_users_with_a_partner():

@@ -13,7 +13,6 @@ import pytest
 from experiments import fedrgb as fedrgb_config
 from fedjax_mm.core import cost
 from fedjax_mm.runner import fedrgb as runner
-from fedjax_mm.runner import fedrgb_report
 from fedjax_mm.runner.errors import ConfigError
 
 
@@ -190,17 +189,19 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
     assert sorted(r["round"] for r in records if r["run"] == m) == list(range(1, config.rounds + 1))
 
   # The seeds' summary reads the same numbers back, with the paired difference.
-  table = fedrgb_report.summarize([workdir])
+  table = runner.SYSTEM.summarize([workdir, workdir])
   fedrgb = reference["methods"]["fedrgb"]["mean"]["gallery_t2i_R@1"]
   fedavg = reference["methods"]["fedavg"]["mean"]["gallery_t2i_R@1"]
-  assert f"| {fedrgb:.1f} ± 0.0" in table
-  assert f"| {fedrgb - fedavg:.1f} ± 0.0" in table.split("fedrgb - fedavg (paired)")[1]
+  assert f" {fedrgb:.1f} ± 0.0 |" in table
+  d = f"{fedrgb - fedavg:+.1f}"
+  assert f" {d} [{d}, {d}] |" in table.split("fedrgb - fedavg (paired)")[1]
   dice = table.split("Segmentation Dice (%)")[1]
   fedrgb_dice = reference["methods"]["fedrgb"]["segmentation"]["10%"]
   fedavg_dice = reference["methods"]["fedavg"]["segmentation"]["10%"]
-  assert f"| {fedrgb_dice:.1f} ± 0.0" in dice.split("| fedrgb ")[1].split("\n")[0]
+  assert f" {fedrgb_dice:.1f} ± 0.0 |" in dice.split("| fedrgb ")[1].split("\n")[0]
   paired = dice.split("fedrgb - fedavg (paired)")[1].split("\n")[0]
-  assert f"| {fedrgb_dice - fedavg_dice:.1f} ± 0.0" in paired
+  d = f"{fedrgb_dice - fedavg_dice:+.1f}"
+  assert f" {d} [{d}, {d}] |" in paired
   assert "| all positive" in dice and "| initial model" in dice
   assert "| majority class" in table.split("Downstream accuracy (%)")[1]
   other = tmp_path / "other"
@@ -208,7 +209,7 @@ def test_smoke_run_and_resume(tmp_path, compilation_cache, capsys):
   cfg = json.loads((other / "config.json").read_text())
   (other / "config.json").write_text(json.dumps(cfg | {"rounds": 3}))
   with pytest.raises(ValueError, match="more than the seed"):
-    fedrgb_report.summarize([workdir, other])
+    runner.SYSTEM.summarize([workdir, other])
 
 
 def test_segmentation_target_is_every_object_or_one_shape():

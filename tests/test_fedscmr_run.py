@@ -5,6 +5,7 @@ import shutil
 
 import experiment_main
 import jax
+import ml_collections
 import numpy as np
 import pytest
 import rounding
@@ -13,7 +14,7 @@ from experiments import fedscmr as fedscmr_config
 from fedjax_mm import models
 from fedjax_mm.core import cost
 from fedjax_mm.runner import fedscmr as runner
-from fedjax_mm.runner import fedscmr_report
+from fedjax_mm.runner import fedscmr_report, report
 from fedjax_mm.runner.workdir import WorkdirError
 
 
@@ -198,19 +199,24 @@ def test_summary_over_runs_is_mean_and_std():
       for m in ("fedavg", "fedscmr")
     },
   }
+  one["methods_global"] = one["methods"]
   two = json.loads(json.dumps(one))
   two["seed"] = 1
   for m in two["methods"].values():
     for c in m.values():
       for k in c:
         c[k] += 0.1
-  tables = fedscmr_report.tables([one, two])
-  # A at N=10: values 0.5 and 0.6, sample std 0.0707.
-  assert "| mAP    | Img2Txt | FedAvg  | 0.5500 ± 0.0707 | 0.7500 ± 0.0707 |" in tables["main"]
-  assert "ablation" not in tables
+  config = ml_collections.ConfigDict({"clients": [{"name": "A"}, {"name": "B"}], "ns": [10]})
+  tables = fedscmr_report.tables(config)
+  finals = [{m: report.flatten(f) for m, f in fedscmr_report._final(r).items()} for r in (one, two)]
+  main = tables[4].render_seeds(finals, [{}, {}])
+  # A at N=10: values 0.5 and 0.6, mean 0.55, sample std 0.0707, 95% t half-width 12.706 x
+  # 0.0707 / sqrt(2) = 0.6353 (the old table printed the std, 0.0707).
+  assert "| mAP    | Img2Txt | FedAvg  | 0.5500 ± 0.6353 | 0.7500 ± 0.6353 |" in main
+  assert tables[5].render_seeds(finals, [{}, {}]) is None  # FedSCMR alone: no ablation table
 
 
-def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
+def test_summarize_shows_both_protocols_chance_and_the_paired_rows(tmp_path):
   dirs = []
   for seed, shift in ((0, 0.0), (1, 0.1)):
     metrics = lambda v: {
@@ -224,20 +230,30 @@ def test_summarize_shows_both_protocols_chance_and_weights(tmp_path):
       "methods": {m: metrics(0.8 + shift) for m in ("dscmr", "fedscmr")},
       "methods_global": {"dscmr": metrics(0.3 + shift), "fedscmr": metrics(0.5 + shift)},
       "chance": {"global_test": {"mAP": 0.2, "NDCG": 0.2}, "own_test": {"mAP": 0.4, "NDCG": 0.4}},
-      "weights": {"fedscmr": {"A": [0.5, 0.2, 0.4], "B": [0.5, 0.8, 0.6]}},
     }
+    chance = {"global": result["chance"]["global_test"], "own": result["chance"]["own_test"]}
+    result["report"] = {
+      "final": {m: report.flatten(f) for m, f in fedscmr_report._final(result).items()},
+      "baselines": {"random ranking (chance)": report.flatten(chance)},
+    }
+    config = {"seed": seed, "clients": [{"name": "A"}, {"name": "B"}], "ns": [10]}
     (tmp_path / str(seed)).mkdir()
-    (tmp_path / str(seed) / "config.json").write_text(json.dumps({"seed": seed}))
+    (tmp_path / str(seed) / "config.json").write_text(json.dumps(config))
     (tmp_path / str(seed) / "results.json").write_text(json.dumps(result))
     dirs.append(tmp_path / str(seed))
-  text = fedscmr_report.summarize(dirs)
+  text = runner.SYSTEM.summarize(dirs)
   shared = text.index("Ranking on the shared test")
   own = text.index("Ranking on the own-class test")
   assert shared < own
-  assert "| FedSCMR                 | 0.5500 ± 0.0707 |" in text[shared:own]
-  assert "| random ranking (chance) | 0.2000 ± 0.0000 |" in text[shared:own]
-  assert "| DSCMR                   | 0.8500 ± 0.0707 |" in text[own:]
-  assert "| FedSCMR | 0.4000 ± 0.0000 | 0.6000 ± 0.0000 |" in text  # last 1 of 3 rounds
+  cells = lambda part, name: [
+    c.strip() for c in part.split(f"| {name} ")[1].split("\n")[0].split("|")[1:-1]
+  ]
+  assert cells(text[shared:own], "FedSCMR")[0] == "0.5500 ± 0.6353"
+  assert cells(text[shared:own], "random ranking (chance)")[0] == "0.2000 ± 0.0000"
+  assert cells(text[own:], "DSCMR")[0] == "0.8500 ± 0.6353"
+  # FedSCMR - DSCMR, seed by seed: +0.2 both times, an interval of no width: reproduced.
+  paired = text[shared:own].split("| FedSCMR - DSCMR (paired) |")[1].split("\n")[0]
+  assert "+0.2000 [+0.2000, +0.2000]" in paired and paired.rstrip(" |").endswith("reproduced")
 
 
 def test_default_features_are_the_frozen_world_clip_encoders():

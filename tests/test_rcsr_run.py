@@ -138,11 +138,12 @@ def test_smoke_run_and_resume(tmp_path, main_cache):
   assert resumed["methods"] == results["methods"]
 
   # The seeds' summary reads the same numbers back, with RCSR minus each row paired.
-  table = runner.summarize([workdir])
+  table = runner.SYSTEM.summarize([workdir, workdir])
   rcsr, fedavg = (results["methods"][m]["global"]["R@1"] for m in ("rcsr", "fedavg"))
-  assert f"| {rcsr:.1f} ± 0.0" in table
+  assert f" {rcsr:.1f} ± 0.0 |" in table
   assert re.search(r"\| rcsr - fedavg \(paired\) +\| ", table)
-  assert f"| {rcsr - fedavg:.1f} ± 0.0" in table
+  d = f"{rcsr - fedavg:+.1f}"
+  assert f" {d} [{d}, {d}] |" in table.split("rcsr - fedavg (paired)")[1].split("\n")[0]
 
 
 @pytest.mark.parametrize("variant", [None, "ablations", "baselines", "sweeps", "smoke"])

@@ -120,7 +120,7 @@ def test_plot_curves_leaves_pyplot_alone(tmp_path):
     assert "matplotlib.pyplot" not in sys.modules
 
 
-def test_load_seed_runs_and_seed_cell(tmp_path):
+def test_load_seed_runs(tmp_path):
   def run(name, seed, lr=0.1, finished=True):
     w = tmp_path / name
     w.mkdir()
@@ -143,5 +143,52 @@ def test_load_seed_runs_and_seed_cell(tmp_path):
     report.load_seed_runs([a, run("d", 3, finished=False)])
   with pytest.raises(ValueError, match="no workdirs"):
     report.load_seed_runs([])
-  assert report.seed_cell([1.0, 2.0, 3.0]) == "2.0 ± 1.0"
-  assert report.seed_cell([4.25]) == "4.2 ± 0.0"
+
+
+TABLE = report.Table(
+  "Results",
+  [report.Column("R@1", "g.R@1"), report.Column("gap", "gap", higher=False)],
+  headline="g.R@1",
+  baselines=("chance", "trivial"),
+  reference="a",
+)
+
+
+def test_table_renders_one_run_with_its_baseline_rows():
+  final = {"a": report.flatten({"g": {"R@1": 12.34}, "gap": 2}), "b": {"g.R@1": 10.0}}
+  baselines = {"chance": {"g.R@1": 1.0}, "trivial": {"gap": 0.5}}
+  assert TABLE.render(final, baselines) == (
+    "| Method  |  R@1 | gap |\n"
+    "| :------ | ---: | --: |\n"
+    "| a       | 12.3 | 2.0 |\n"
+    "| b       | 10.0 |     |\n"
+    "| chance  |  1.0 |     |\n"
+    "| trivial |      | 0.5 |"
+  )
+  assert TABLE._replace(min_rows=3).render(final, baselines) is None
+
+
+def test_table_over_seeds_has_intervals_and_a_paired_row_with_its_verdict():
+  from scipy import stats
+
+  a, b = [10.0, 12.0, 14.0], [9.0, 10.0, 12.0]
+  finals = [
+    {"a": {"g.R@1": x, "gap": 1.0}, "b": {"g.R@1": y, "gap": 1.0}}
+    for x, y in zip(a, b, strict=True)
+  ]
+  text = TABLE.render_seeds(finals, [{"chance": {"g.R@1": 1.0}}] * 3)
+  rows = {
+    r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in text.splitlines()
+  }
+  t = stats.t.ppf(0.975, 2)
+  assert rows["a"][0] == f"12.0 ± {t * 2.0 / np.sqrt(3):.1f}"  # sd 2
+  diff = np.array(a) - np.array(b)  # 1, 2, 2: mean 5/3, sd 0.577
+  half = t * diff.std(ddof=1) / np.sqrt(3)
+  m = diff.mean()
+  assert rows["a - b (paired)"] == [
+    f"{m:+.1f} [{m - half:+.1f}, {m + half:+.1f}]",
+    "+0.0 [+0.0, +0.0]",
+    "reproduced",
+  ]
+  assert rows["chance"][:2] == ["1.0 ± 0.0", ""]
+  assert text.splitlines()[0].rstrip().endswith("| verdict (R@1) |")

@@ -42,7 +42,7 @@ def test_unfinished_run_is_a_clear_error(tmp_path):
 
 
 def test_the_command_refuses_every_unfinished_workdir_in_one_line(tmp_path, capsys):
-  # Any --format: a mean over fewer seeds than were given would pass unnoticed.
+  # A mean over fewer seeds than were given would pass unnoticed.
   done = _run(tmp_path / "done", 0, "muscle", 0.1, [0.5])
   stopped = tmp_path / "stopped"
   (stopped / "checkpoints" / "3").mkdir(parents=True)
@@ -72,27 +72,30 @@ def _results_only(path, results):
 
 
 def test_a_run_the_table_does_not_fit_is_one_line_naming_what_it_is(tmp_path, capsys):
-  """A key the run lacks, or a --format of another experiment, was a KeyError traceback (or,
-  --format=fedscmr on a pretraining run, an empty table)."""
-  fedscmr = _results_only(tmp_path / "fedscmr", {"ns": [5], "methods_global": {}, "rounds": 2})
-  pretraining = _results_only(tmp_path / "pretrain", {"pairs": {"a+b": {"R@1": 3}}, "trivial": {}})
+  """A key the run lacks, a run that names no system, runs of different systems: one line."""
+  fedscmr = _results_only(tmp_path / "fedscmr", {"system": "fedscmr", "ns": [5], "rounds": 2})
+  rcsr = _results_only(tmp_path / "rcsr", {"system": "rcsr", "methods": {}})
   muscle = _run(tmp_path / "muscle", 0, "muscle", 0.1, [0.5, 0.7])
   cases = [
     (
       ["--keys=delta", fedscmr],
-      f"error: {fedscmr}/results.json has no number at 'delta' (--keys); it is a fedscmr run: "
-      "--format=fedscmr; its numbers: ns.0, rounds.",
+      f"error: {fedscmr}/results.json has no number at 'delta' (--keys); it is a fedscmr run; "
+      "its numbers: ns.0, rounds.",
     ),
     (
-      ["--keys=fedmuscle.2,delta", muscle],
-      f"error: {muscle}/results.json has no number at 'fedmuscle.2' (--keys); it is a "
-      "fedmuscle run: the generic table; its numbers: delta, fedmuscle.0, fedmuscle.1.",
+      [muscle],
+      f"error: {muscle}/results.json names no system: it was written before runs named their "
+      "system; run it again (it resumes and rewrites results.json), or use --keys.",
     ),
     (
-      ["--format=rcsr", fedscmr, pretraining, muscle],
-      f"error: not rcsr runs: {fedscmr} (a fedscmr run: --format=fedscmr); {pretraining} (a "
-      f"pretraining run: its report.md holds its table); {muscle} (a fedmuscle run: the "
-      "generic table).",
+      [rcsr, fedscmr],
+      f"error: the runs are of different systems: {rcsr} (rcsr); {fedscmr} (fedscmr); "
+      "summarise them separately.",
+    ),
+    (
+      [rcsr],
+      f'error: {rcsr}/results.json has no "report" section: it was written before runs '
+      "recorded their result tables; run it again (it resumes and rewrites the report).",
     ),
   ]
   from absl import flags
@@ -107,29 +110,13 @@ def test_a_run_the_table_does_not_fit_is_one_line_naming_what_it_is(tmp_path, ca
   flags.FLAGS.unparse_flags()
 
 
-def test_a_run_names_its_system_and_the_table_follows_it(tmp_path, capsys):
-  """results.json's "system" picks the table; runs of different systems are refused."""
-  rcsr = _results_only(tmp_path / "rcsr", {"system": "rcsr", "methods": {}, "modality": []})
-  muscle = _results_only(tmp_path / "muscle", {"system": "fedmuscle", "delta": 0.1})
-  legacy = _run(tmp_path / "legacy", 0, "muscle", 0.1, [0.5])
-  assert summarize.table_of([rcsr]) == "rcsr"
-  assert summarize.table_of([muscle]) == "generic"  # FedMuscle has no table of its own
-  assert summarize.table_of([legacy]) == "generic"  # an older run names no system
-  assert summarize.table_of([rcsr], "generic") == "generic"
-  with pytest.raises(ValueError, match=r"^not fedrgb runs: .*rcsr \(a rcsr run\)\.$"):
-    summarize.table_of([rcsr], "fedrgb")
-  for mixed in ([rcsr, muscle], [muscle, legacy]):
-    with pytest.raises(ValueError, match="^the runs are of different systems: "):
-      summarize.table_of(mixed)
-  from absl import flags
+def test_a_system_summary_refuses_configs_differing_in_more_than_the_seed(tmp_path):
+  from fedjax_mm import runner
 
-  flags.FLAGS.unparse_flags()
-  with pytest.raises(SystemExit) as e:
-    summarize.main(flags.FLAGS(["summarize", str(rcsr), str(muscle)]))
-  flags.FLAGS.unparse_flags()
-  out, err = capsys.readouterr()
-  assert e.value.code == 2 and out == ""
-  assert err == (
-    f"error: the runs are of different systems: {rcsr} (rcsr); {muscle} (fedmuscle); "
-    "summarise them separately.\n"
-  )
+  report = {"final": {"rcsr": {"global.R@1": 1.0}}, "baselines": {}}
+  a = _results_only(tmp_path / "a", {"system": "rcsr", "report": report})
+  b = _results_only(tmp_path / "b", {"system": "rcsr", "report": report})
+  (b / "config.json").write_text(json.dumps({"seed": 1, "rounds": 3}))
+  assert summarize.system_of([a, b]) == "rcsr"
+  with pytest.raises(ValueError, match="differ in more than the seed"):
+    runner.system("rcsr").summarize([a, b])

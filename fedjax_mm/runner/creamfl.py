@@ -531,6 +531,6 @@ SYSTEM = loop.System(
   methods=METHODS,
   validate=validate,
   experiment=experiment,
-  summarize=creamfl_report.summarize,
+  tables=creamfl_report.tables,
 )
 run = SYSTEM.run

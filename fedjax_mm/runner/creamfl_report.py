@@ -8,7 +8,6 @@ R@1_sum and RSUM. Nothing here builds data or models.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +18,6 @@ from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import SummaryError
 
 LOCAL = "local"
 
@@ -95,12 +93,6 @@ def chance_levels(config, num_test: int | None = None) -> dict[str, dict[str, fl
   return out
 
 
-def _recall_table(rows: Sequence[Sequence[Any]], chance: Mapping[str, float]) -> str:
-  """``method | six recalls`` rows and a last row at chance."""
-  rows = [*rows, ["chance (random ranking)", *(chance[k] for k in RECALL_KEYS)]]
-  return report_lib.format_table(["method", *RECALL_KEYS], rows)
-
-
 def protocol_of(config, num_test: int | None = None) -> dict[str, Any]:
   sizes = list(config.test.sizes)
   out = {
@@ -135,27 +127,72 @@ def vqa_protocol(config, qa) -> dict[str, Any]:
   }
 
 
-def _vqa_table(methods, results) -> str:
-  """Table 2's analogue: each row's accuracy, its blind head's, and per question type."""
-  types = data.vqa.QUESTION_TYPES
-  rows = []
-  for m in methods:
-    r = results[m]["vqa"]
-    gain = r["accuracy"] - r["blind_accuracy"]
-    rows.append(
-      [m, r["accuracy"], r["blind_accuracy"], f"{gain:+.2f}", *(r["per_type"][t] for t in types)]
+def tables(config) -> list[report_lib.Table]:
+  """The result tables: R@1_sum and RSUM with bytes per round, the six recalls per test size
+  (and the private test's), Table 2's VQA analogue; each beside its chance or majority row.
+  Over seeds CreamFL minus local training and FedAvg, paired by seed."""
+  column, table = report_lib.Column, report_lib.Table
+  recalls = lambda prefix: [column(k, f"{prefix}.{k}", digits=2) for k in RECALL_KEYS]
+  chance = ("chance (random ranking)",)
+  out = [
+    table(
+      "R@1_sum (public-distribution tests)",
+      [
+        column("R@1_sum", "r1_sum", digits=2),
+        column("RSUM", "rsum", digits=2),
+        column("vs local", "vs_local", digits=2, signed=True),
+        column("bytes/round", "bytes_per_round", format=ledger_lib.format_bytes),
+      ],
+      label="method",
+      baselines=chance,
+      reference="CreamFL",
+      against=(LOCAL, "FedAvg"),
     )
-  majority = results[methods[0]]["vqa"]
-  rows.append(
-    [
-      "majority answer per type",
-      majority["majority_accuracy"],
-      None,
-      "",
-      *(majority["majority_per_type"][t] for t in types),
-    ]
+  ]
+  for n in config.test.sizes:
+    label = size_label(n)
+    out.append(
+      table(f"{label} test: Recall@K (%)", recalls(label), label="method", baselines=chance)
+    )
+  if config.test.private_size:
+    out.append(
+      table(
+        f"Private distribution (shift 0, {config.test.private_size} images, full set; not in "
+        "R@1_sum): Recall@K (%)",
+        recalls("private"),
+        label="method",
+        baselines=chance,
+      )
+    )
+  types = [column(t, f"vqa.per_type.{t}", digits=2) for t in data.vqa.QUESTION_TYPES]
+  vqa = [column("accuracy", "vqa.accuracy", 2), column("blind", "vqa.blind_accuracy", 2)]
+  vqa.append(column("vs blind", "vqa.vs_blind", digits=2, signed=True))
+  out.append(
+    table(
+      "Table 2 analogue (VQA accuracy %)",
+      vqa + types,
+      label="method",
+      baselines=("majority answer per type",),
+      reference="CreamFL",
+      against=(LOCAL, "FedAvg"),
+    )
   )
-  return report_lib.format_table(["method", "accuracy", "blind", "vs blind", *types], rows)
+  return out
+
+
+def _vqa_note(config, p) -> str:
+  """How Table 2's analogue was run (``p``: :func:`vqa_protocol`)."""
+  return (
+    f"Each row's server frozen after {config.rounds} rounds; a fusion head (hidden "
+    f"{p['head']['hidden']}, {p['head']['steps']} Adam steps of {p['head']['batch_size']} "
+    f"questions, lr {p['head']['learning_rate']}) on its {p['features']} features, trained on "
+    f"{p['train_questions']} questions about {p['train_images']} scenes, tested on "
+    f"{p['test_questions']} questions about {p['test_images']} other scenes at shift "
+    f"{p['shift']}; top-1 exact-match accuracy over {p['answers']} answers. blind: the same "
+    "head without the image (question only); vs blind: accuracy minus blind; majority: "
+    "each type's most frequent training answer. Not VQA v2: template questions about "
+    "the embedded world's scenes (fedjax_mm.data.vqa)."
+  )
 
 
 def _describe_tests(config, data_note: Mapping[str, Any] | None = None) -> str:
@@ -232,41 +269,35 @@ def report(
   vqa_protocol: Mapping[str, Any] | None = None,
   data_note: Mapping[str, Any] | None = None,
 ) -> loop.Report:
-  """CreamFL's Table 1 (one table per test size, R@1_sum over all), plus bytes per round;
-  Table 2's analogue when ``vqa_protocol`` (the VQA analogue ran) is given; what each
-  set read when ``data_note`` (a TFDS run, :func:`tfds_note`) is given."""
+  """CreamFL's Table 1 (:func:`tables`: one table per test size, R@1_sum over all), plus
+  bytes per round; Table 2's analogue when ``vqa_protocol`` (the VQA analogue ran) is given;
+  what each set read when ``data_note`` (a TFDS run, :func:`tfds_note`) is given."""
   results, rounds = outcome.final, config.rounds
   sizes = tuple(config.test.sizes)
   num_test = None if data_note is None else data_note["test_images"]
   num_public = config.public.size if data_note is None else data_note["public_size"]
   chance = chance_levels(config, num_test)
-  fmt = report_lib.format_table
   local_sum = r1_sum(results[LOCAL], sizes) if LOCAL in results else None
-  summary_rows, traffic = [], {}
+  traffic, final = {}, {}
   for m in methods:
     ledger = outcome.ledgers.get(m)  # None: the method sent nothing.
     up, down = (ledger.total_up, ledger.total_down) if ledger else (0, 0)
     traffic[m] = {"up_per_round": up / rounds, "down_per_round": down / rounds}
     total = r1_sum(results[m], sizes)
-    gain = "" if local_sum is None else f"{total - local_sum:+.2f}"
-    summary_rows.append(
-      [m, total, rsum(results[m], sizes), gain, ledger_lib.format_bytes((up + down) / rounds)]
-    )
-  chance_sum = r1_sum(chance, sizes)
-  summary_rows.append(["chance (random ranking)", chance_sum, rsum(chance, sizes), "", ""])
-  summary = fmt(["method", "R@1_sum", "RSUM", "vs local", "bytes/round"], summary_rows)
-  tables = {
-    size_label(n): _recall_table(
-      [[m, *(results[m][size_label(n)][k] for k in RECALL_KEYS)] for m in methods],
-      chance[size_label(n)],
-    )
-    for n in sizes
+    final[m] = {
+      "r1_sum": total,
+      "rsum": rsum(results[m], sizes),
+      "vs_local": None if local_sum is None else total - local_sum,
+      "bytes_per_round": (up + down) / rounds,
+      **{k: v for k, v in results[m].items() if k != "vqa"},
+    }
+    if vqa_protocol is not None:
+      r = results[m]["vqa"]
+      final[m]["vqa"] = {**r, "vs_blind": r["accuracy"] - r["blind_accuracy"]}
+  baselines = {
+    "chance (random ranking)": {"r1_sum": r1_sum(chance, sizes), "rsum": rsum(chance, sizes)}
+    | chance,
   }
-  private = None
-  if config.test.private_size:
-    private = _recall_table(
-      [[m, *(results[m]["private"][k] for k in RECALL_KEYS)] for m in methods], chance["private"]
-    )
   wall, start_round = outcome.wall_time_s, outcome.resumed_at
   protocol = protocol_of(config, num_test)
   description = (
@@ -286,43 +317,10 @@ def report(
     ]
     for m in methods
   }
-  sections = [("Result", description), ("R@1_sum (public-distribution tests)", summary)]
-  for n in sizes:
-    label = size_label(n)
-    sections.append((f"{label} test: Recall@K (%)", tables[label]))
+  sections = [("Result", description)]
   if data_note is not None:
     sections.append(_data_section(data_note))
-  if private is not None:
-    sections.append(
-      (
-        f"Private distribution (shift 0, {config.test.private_size} images, full set; not in "
-        "R@1_sum): Recall@K (%)",
-        private,
-      )
-    )
-  vqa_text = None
-  if vqa_protocol is not None:
-    p = vqa_protocol
-    vqa_text = _vqa_table(methods, results)
-    sections.append(
-      (
-        "Table 2 analogue (VQA accuracy %)",
-        vqa_text
-        + "\n\n"
-        + (
-          f"Each row's server frozen after {rounds} rounds; a fusion head (hidden {p['head']['hidden']}, "
-          f"{p['head']['steps']} Adam steps of {p['head']['batch_size']} questions, lr "
-          f"{p['head']['learning_rate']}) on its {p['features']} features, trained on "
-          f"{p['train_questions']} questions about {p['train_images']} scenes, tested on "
-          f"{p['test_questions']} questions about {p['test_images']} other scenes at shift "
-          f"{p['shift']}; top-1 exact-match accuracy over {p['answers']} answers. blind: the same "
-          "head without the image (question only); vs blind: accuracy minus blind; majority: "
-          "each type's most frequent training answer. Not VQA v2: template questions about "
-          "the embedded world's scenes (fedjax_mm.data.vqa)."
-        ),
-      )
-    )
-  sections.append(("Curves", "![R@1_sum](curves.png)"))
+  tail = [("Curves", "![R@1_sum](curves.png)")]
   result = {
     "protocol": protocol,
     "recall": {m: {size_label(n): results[m][size_label(n)] for n in sizes} for m in methods},
@@ -335,12 +333,16 @@ def report(
     "seed": config.seed,
     "wall_time_s": wall,
   }
-  if private is not None:
+  if config.test.private_size:
     result["private_recall"] = {m: results[m]["private"] for m in methods}
   if data_note is not None:
     result["data"] = dict(data_note)
   if vqa_protocol is not None:
     first = results[methods[0]]["vqa"]
+    tail.insert(0, ("Table 2 analogue: how it ran", _vqa_note(config, vqa_protocol)))
+    baselines["majority answer per type"] = {
+      "vqa": {"accuracy": first["majority_accuracy"], "per_type": first["majority_per_type"]}
+    }
     result["vqa"] = {
       "protocol": dict(vqa_protocol),
       "majority": {k: first[f"majority_{k}"] for k in ("accuracy", "per_type")},
@@ -352,10 +354,6 @@ def report(
         for m in methods
       },
     }
-  parts = [summary] + [f"{size_label(n)} test:\n{tables[size_label(n)]}" for n in sizes]
-  if vqa_text is not None:
-    parts.append(f"VQA (Table 2 analogue), accuracy %:\n{vqa_text}")
-  text = "\n\n".join(parts + [description])
   return loop.Report(
     title="CreamFL and its variants: server image-text retrieval",
     sections=sections,
@@ -367,75 +365,8 @@ def report(
       )
     },
     results=result,
-    text=text,
-  )
-
-
-def summarize(workdirs) -> str:
-  """Mean ± sample std over runs (seeds) of the final tables, from their ``results.json``.
-
-  The runs must share every config key but the seed
-  (:func:`fedjax_mm.runner.report.load_seed_runs`).
-  """
-  runs, _ = report_lib.load_seed_runs(workdirs)
-  for w, r in zip(workdirs, runs, strict=True):
-    if "protocol" not in r:
-      raise SummaryError(
-        f"{w}: results.json predates the public-distribution 1K/5K protocol; run it again."
-      )
-  sizes = runs[0]["protocol"]["test_sizes"]
-  if any(r["protocol"]["test_sizes"] != sizes for r in runs):
-    raise SummaryError("the runs were evaluated on different test sizes.")
-  methods = [m for m in runs[0]["recall"] if all(m in r["recall"] for r in runs)]
-
-  cell = functools.partial(report_lib.seed_cell, digits=2)
-  chance = runs[0]["chance"]
-  local = [r["r1_sum"][LOCAL] for r in runs] if LOCAL in methods else None
-  rows = []
-  for m in methods:
-    row = [m, cell([r["r1_sum"][m] for r in runs]), cell([r["rsum"][m] for r in runs])]
-    if local is not None:
-      row.append(cell([r["r1_sum"][m] - lo for r, lo in zip(runs, local, strict=True)]))
-    rows.append(row)
-  rows.append(
-    ["chance (random ranking)", f"{r1_sum(chance, sizes):.2f}", f"{rsum(chance, sizes):.2f}"]
-    + ([""] if local is not None else [])
-  )
-  headers = ["method", "R@1_sum", "RSUM"] + (["vs local"] if local is not None else [])
-  parts = [report_lib.format_table(headers, rows)]
-  for n in sizes:
-    label = size_label(n)
-    rows = [
-      [m] + [cell([r["recall"][m][label][k] for r in runs]) for k in RECALL_KEYS] for m in methods
-    ]
-    rows.append(["chance (random ranking)", *(f"{chance[label][k]:.2f}" for k in RECALL_KEYS)])
-    parts.append(f"{label} test:\n" + report_lib.format_table(["method", *RECALL_KEYS], rows))
-  if all("vqa" in r for r in runs):  # Table 2's analogue (runs from before it have none)
-    types = data.vqa.QUESTION_TYPES
-    rows = []
-    for m in methods:
-      blocks = [r["vqa"]["methods"][m] for r in runs]
-      rows.append(
-        [m, cell([b["accuracy"] for b in blocks]), cell([b["blind_accuracy"] for b in blocks])]
-        + [cell([b["per_type"][t] for b in blocks]) for t in types]
-      )
-    majority = [r["vqa"]["majority"] for r in runs]
-    rows.append(
-      ["majority answer per type", cell([b["accuracy"] for b in majority]), ""]
-      + [cell([b["per_type"][t] for b in majority]) for t in types]
-    )
-    table = report_lib.format_table(["method", "accuracy", "blind", *types], rows)
-    parts.append("VQA (Table 2 analogue), accuracy %:\n" + table)
-  seeds = ", ".join(str(r["seed"]) for r in runs)
-  protocol = runs[0]["protocol"]
-  note = runs[0].get("data")  # a TFDS run: its test set is a dataset's split, not a shift
-  where = (
-    f"at shift {protocol['shift']}"
-    if note is None
-    else f"of {note['datasets']['test']} ({note['splits']['test']} split)"
-  )
-  return "\n\n".join(parts) + (
-    f"\n\nmean ± std (sample, ddof=1) over {len(runs)} runs (seeds {seeds}), Recall@K in %; "
-    f"{protocol['test_images']} test images {where}; "
-    f"R@1_sum = {protocol['r1_sum']}."
+    text=description,
+    final=final,
+    baselines=baselines,
+    tail=tail,
   )

@@ -467,5 +467,6 @@ SYSTEM = loop.System(
   methods=METHODS,
   validate=validate,
   experiment=experiment,
+  tables=fedmuscle_report.tables,
 )
 run = SYSTEM.run

@@ -136,23 +136,15 @@ def report(
   final, history = outcome.final, outcome.history
   fmt = report_lib.format_table
   others = [m for m in methods if m != "local"]
-  single = len(others) == 1  # one method against local: a per-user gain column, as before
-  rows = []
-  for u, g in zip(users, groups, strict=True):
-    loc = final["local"][u.index]
-    row = [u.name, u.encoder, u.task, g.task.metric_name]
-    row += [100 * final[m][u.index] for m in others] + [100 * loc]
-    if single:
-      gain = (final[others[0]][u.index] - loc) / loc if loc else math.nan
-      row.append(report_lib.percent(gain) if loc else "n/a (local 0)")
-    rows.append(row + [100 * trivial[u.index]])
+  single = len(others) == 1
   deltas = {m: _delta(final[m], final["local"])[0] for m in others}
   excluded = _delta(final[others[0]], final["local"])[1]  # depends on local training only
-  headers = ["user", "model", "task", "metric", *(label(config, m) for m in others), "local"]
-  table = fmt(headers + (["gain"] if single else []) + ["trivial"], rows)
-  delta_table = fmt(
-    ["method", "Delta vs local"],
-    [[label(config, m), report_lib.percent(deltas[m])] for m in others],
+  rows = {
+    label(config, m): {"users": [100 * final[m][u.index] for u in users], "delta": 100 * d}
+    for m, d in [*deltas.items(), ("local", 0.0)]
+  }
+  metric_names = ", ".join(
+    f"{u.name} {g.task.metric_name}" for u, g in zip(users, groups, strict=True)
   )
   sections_traffic, totals = None, None
   if "fedmuscle" in methods:
@@ -195,6 +187,7 @@ def report(
   if excluded:
     names = ", ".join(users[i].name for i in excluded)
     summary += f". Left out of Delta: {names}, which scored 0 under local training"
+  summary += f". Metrics (in %; trivial: majority class / every label present): {metric_names}"
   curve = lambda run, u: metric_series(
     history, f"{u.name}/{groups[u.index].task.metric_name}", run=run
   )
@@ -232,12 +225,7 @@ def report(
         for m, t in by_method.items()
       ],
     )
-  sections = [
-    ("Result", summary),
-    ("Per user (metric in %; trivial: majority class / every label present)", table),
-  ]
-  if not single:
-    sections.append(("Delta against local training", delta_table))
+  sections = []
   if data_note is not None:
     result["data"] = data_note
     data_rows = [
@@ -273,15 +261,13 @@ def report(
     else (", ".join(label(config, m) for m in others) + " vs local training")
   )
   text = "\n\n".join(
-    [table]
-    + ([] if single else [delta_table])
-    + ([sections_traffic] if sections_traffic else [])
+    ([sections_traffic] if sections_traffic else [])
     + ([compute_table] if compute_table else [])
     + [summary]
   )
   return loop.Report(
     title=title,
-    sections=sections,
+    sections=[("Result", summary)],
     plots={
       "metrics.png": loop.Curves(series, "Test metric per round", "metric"),
       "delta.png": loop.Curves(
@@ -296,4 +282,26 @@ def report(
     },
     results=result,
     text=text,
+    final=rows,
+    baselines={"trivial": {"users": [100 * t for t in trivial]}},
+    tail=sections,
   )
+
+
+def tables(config) -> list[report_lib.Table]:
+  """Table 1 of the paper: a row per method, a column per user (its metric, %) and Delta
+  against local training, beside the trivial predictor; over seeds FedMuscle minus every
+  other method, paired by seed."""
+  users = [f"user {i + 1} ({u['encoder']}/{u['task']})" for i, u in enumerate(config.users)]
+  columns = [report_lib.Column(u, f"users.{i}", digits=2) for i, u in enumerate(users)]
+  delta = report_lib.Column("Delta vs local (%)", "delta", signed=True)
+  return [
+    report_lib.Table(
+      "Per user (metric in %) and Delta against local training",
+      [*columns, delta],
+      headline="delta",
+      label="method",
+      baselines=("trivial",),
+      reference=label(config, "fedmuscle"),
+    )
+  ]

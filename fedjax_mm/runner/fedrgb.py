@@ -87,16 +87,7 @@ from fedjax_mm.core.sharding import replicated, traced_in
 from fedjax_mm.data import partition, world
 from fedjax_mm.runner import fedrgb_report, loop, validation
 from fedjax_mm.runner.errors import ConfigError
-from fedjax_mm.runner.fedrgb_report import (
-  COLUMNS,
-  DOWNSTREAM,
-  chance_row,
-  column_labels,
-  distortion_tables,
-  downstream_table,
-  fraction_label,
-  segmentation_table,
-)
+from fedjax_mm.runner.fedrgb_report import DOWNSTREAM, fraction_label
 from fedjax_mm.runner.report import format_table
 
 KS = (1, 5)
@@ -560,10 +551,6 @@ def experiment(config) -> loop.Experiment:
   }
 
   def report(outcome: loop.Outcome) -> loop.Report:
-    rows = [[m] + [f"{outcome.final[m][g][n]:.1f}" for g, n in COLUMNS] for m in methods]
-    rows.append(chance_row(chance))
-    header = column_labels(gallery)
-    table = format_table(header, rows)
     traffic_rows = [
       [m, f"{t['stage1'] / 1e6:.3f}", f"{t['stage2'] / 1e6:.3f}", f"{t['full_model'] / 1e6:.3f}"]
       for m, t in traffic_bytes.items()
@@ -571,46 +558,20 @@ def experiment(config) -> loop.Experiment:
     traffic_table = format_table(
       ["Method", "stage 1 MB/client/round", "stage 2 MB", "full model MB"], traffic_rows
     )
-    sections = [("Retrieval (R@K, %)", table), ("Traffic", traffic_table)]
-    extra = ""
-
-    def add(heading: str, table: str, body: str | None = None) -> None:
-      nonlocal extra
-      sections.append((heading, body or table))  # report.md: the body; the console: the table
-      extra += f"\n\n{heading}:\n{table}"
-
-    dist_table, matrices = distortion_tables(outcome.final, methods, k)
-    if dist_table:
-      heading = (
-        f"Distortion: drop in mean paired cosine after {dist_steps} retraining steps on one "
-        "client (Tables 6 / 11)"
-      )
-      add(heading, dist_table, dist_table + "\n\n" + "\n\n".join(matrices))
     majority = {t: fedrgb_eval.majority_accuracy(v) for t, v in down["test_labels"].items()}
     base = setup["base_state"]
     initial = None
     if down_cfg.enabled and any("downstream" in outcome.final[m] for m in methods):
       initial = downstream(base.encoder, base.aligner)
-      heading = (
-        f"Downstream accuracy (%), fine-tuned for {down_cfg.steps} steps on a fraction of "
-        f"{down_cfg.train} labelled images, tested on {down_cfg.test}"
-      )
-      add(heading, downstream_table(outcome.final, methods, initial, majority, fractions))
     seg_trivial = fedrgb_eval.all_positive_dice(np.asarray(down["seg_test_targets"])) * 100
     seg_initial = None
     if seg_cfg.enabled and any("segmentation" in outcome.final[m] for m in methods):
       seg_initial = segmentation(base.encoder, base.aligner)
-      heading = (
-        f"Segmentation Dice (%) of '{seg_cfg.target}', a decoder trained for {seg_cfg.steps} "
-        f"steps on the frozen image tower with a fraction of {down_cfg.train} labelled "
-        f"images, tested on {down_cfg.test}"
-      )
-      add(heading, segmentation_table(outcome.final, methods, seg_initial, seg_trivial, fractions))
     text = (
       f"FedRGB on the world: {k} clients, Dirichlet {config.dirichlet_alpha} over the 32 "
       f"categories, {config.rounds} rounds, {config.image_encoder} + {config.text_encoder}"
       f"{' (World-CLIP)' if config.pretrained else ' (from scratch)'}, seed {config.seed}\n"
-      f"{table}\n\nSent per client and round (float32):\n{traffic_table}{extra}\n"
+      f"Sent per client and round (float32):\n{traffic_table}\n"
       f"wall time {outcome.wall_time_s:.0f} s"
       + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
     )
@@ -627,10 +588,15 @@ def experiment(config) -> loop.Experiment:
     }
     return loop.Report(
       title="FedRGB",
-      sections=sections,
+      sections=[],
       plots={},
       results=results,
       text=text,
+      final=results["methods"],
+      baselines=fedrgb_report.baselines(
+        chance, initial, majority, seg_initial, seg_trivial, fractions
+      ),
+      tail=[("Traffic", traffic_table)],
     )
 
   def init():
@@ -658,7 +624,8 @@ SYSTEM = loop.System(
   methods=tuple(ROWS),
   validate=validate,
   experiment=experiment,
-  summarize=fedrgb_report.summarize,
+  tables=fedrgb_report.tables,
+  sections=fedrgb_report.sections,
 )
 run = SYSTEM.run
 

@@ -602,6 +602,6 @@ SYSTEM = loop.System(
   methods=tuple(METHODS),
   validate=validate,
   experiment=experiment,
-  summarize=fedscmr_report.summarize,
+  tables=fedscmr_report.tables,
 )
 run = SYSTEM.run

@@ -10,7 +10,6 @@ per client and ``N`` (:func:`tables`) under both test protocols
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,62 +60,77 @@ def _headline(client_metrics: Mapping[str, Mapping[str, float]], n: int) -> floa
   )
 
 
-def _cell(values: Sequence[float], *, signed: bool = False) -> str:
-  fmt = "+.4f" if signed else ".4f"
-  if len(values) == 1:
-    return f"{values[0]:{fmt}}"
-  return f"{np.mean(values):{fmt}} ± {np.std(values, ddof=1):.4f}"
+def tables(config) -> list[report_lib.Table]:
+  """The result tables under both protocols: each system's mean mAP and NDCG ranked against
+  chance (over seeds FedSCMR minus FedAvg and DSCMR, paired by seed), then the paper's
+  Tables 1-2 (systems) and 3-4 (ablations): mAP / NDCG per task, ``N`` and client."""
+  names, ns = [c["name"] for c in config.clients], [int(n) for n in config.ns]
+  column, out = report_lib.Column, []
+  cells = [column(f"N={n} {c}", f"{n}.{c}", digits=4) for n in ns for c in names]
+  for protocol, (_, title) in PROTOCOLS.items():
+    out.append(
+      report_lib.Table(
+        f"Ranking on the {title} (mean over clients, N and directions)",
+        [
+          column("mean mAP@N", f"{protocol}.mAP", digits=4),
+          column("mean NDCG@N", f"{protocol}.NDCG", digits=4),
+          column("mAP - DSCMR (paired)", f"{protocol}.vs_dscmr", digits=4, signed=True),
+        ],
+        baselines=("random ranking (chance)",),
+        reference="FedSCMR",
+        against=("FedAvg", "DSCMR"),
+        sort=True,
+      )
+    )
+  for protocol, (_, title) in PROTOCOLS.items():
+    groups = [
+      ((metric, task), f"{protocol}.{metric}/{direction}.")
+      for metric in ("mAP", "NDCG")
+      for direction, task in (*DIRECTIONS, ("average", "Average"))
+    ]
+    for rows, heading in (
+      (
+        MAIN_TABLE,
+        f"Systems on the {title} (the paper's Tables 1-2, with FedAvg / FedProx (common))",
+      ),
+      (ABLATION_TABLE, f"Ablations on the {title} (as the paper's Tables 3-4)"),
+    ):
+      out.append(
+        report_lib.Table(
+          heading,
+          cells,
+          baselines=(),
+          methods=[METHODS[m] for m in rows],
+          groups=groups,
+          group_headers=("Metric", "Task"),
+          min_rows=2,
+        )
+      )
+  return out
 
 
-def _value(result, key, method, client, metric, direction, n) -> float:
-  cm = result[key][method][client]
-  if direction == "average":
-    return 0.5 * (cm[f"{metric}@{n}/img2txt"] + cm[f"{metric}@{n}/txt2img"])
-  return cm[f"{metric}@{n}/{direction}"]
-
-
-def _protocols(results: Sequence[Mapping[str, Any]]) -> list[str]:
-  """The protocols every run holds, shared test first (runs older than it have only own)."""
-  return [p for p, (key, _) in PROTOCOLS.items() if all(key in r for r in results)]
-
-
-def tables(results: Sequence[Mapping[str, Any]], *, protocol: str = "own") -> dict[str, str]:
-  """The paper's Tables 1-2 (systems) and 3-4 (ablations) from one or more runs.
-
-  Rows: metric (mAP, NDCG) x task (Img2Txt, Txt2Img, Average) x system;
-  columns: ``N`` x client. A cell is one run's value, or ``mean ± std`` (sample
-  standard deviation) over several runs (seeds); ``Average`` is the mean of
-  the two directions within each run. Systems missing from the runs are left
-  out.
-
-  Args:
-    results: ``results.json`` contents of runs with the same clients and ``ns``.
-    protocol: ``"own"`` (each client's own-class test pairs) or ``"global"``
-      (the shared test set over every class); see :data:`PROTOCOLS`.
-
-  Returns:
-    ``{"main": table, "ablation": table}`` (markdown; an entry is absent when
-    none of its systems ran).
-  """
-  key = PROTOCOLS[protocol][0]
-  first = results[0]
-  names, ns = first["clients"], first["ns"]
-  headers = ["Metric", "Task", "Method"] + [f"N={n} {c}" for n in ns for c in names]
+def _final(result) -> dict[str, dict]:
+  """The tables' values (:attr:`fedjax_mm.runner.loop.Report.final`): per system and
+  protocol the means, the paired difference to DSCMR, and each cell (``Average``: the mean
+  of the two directions)."""
   out = {}
-  for table, rows_of in (("main", MAIN_TABLE), ("ablation", ABLATION_TABLE)):
-    present = [m for m in rows_of if all(m in r[key] for r in results)]
-    if present in ([], ["fedscmr"]):
-      continue
-    rows = []
-    for metric in ("mAP", "NDCG"):
-      for direction, title in DIRECTIONS + (("average", "Average"),):
-        for m in present:
-          row = [metric, title, METHODS[m]]
-          for n in ns:
-            for c in names:
-              row.append(_cell([_value(r, key, m, c, metric, direction, n) for r in results]))
-          rows.append(row)
-    out[table] = report_lib.format_table(headers, rows)
+  for m in result["methods"]:
+    out[METHODS[m]] = row = {}
+    for protocol, (key, _) in PROTOCOLS.items():
+      row[protocol] = block = {x: _mean_over_cells(result, m, x, key) for x in ("mAP", "NDCG")}
+      if "dscmr" in result[key]:
+        block["vs_dscmr"] = block["mAP"] - _mean_over_cells(result, "dscmr", "mAP", key)
+      for metric in ("mAP", "NDCG"):
+        for d, _ in (*DIRECTIONS, ("average", "")):
+          block[f"{metric}/{d}"] = {
+            str(n): {
+              c: 0.5 * sum(cm[f"{metric}@{n}/{x}"] for x, _ in DIRECTIONS)
+              if d == "average"
+              else cm[f"{metric}@{n}/{d}"]
+              for c, cm in result[key][m].items()
+            }
+            for n in result["ns"]
+          }
   return out
 
 
@@ -131,46 +145,6 @@ def _mean_over_cells(result, method, metric, key: str = "methods") -> float:
       ]
     )
   )
-
-
-def ranking(
-  results: Sequence[Mapping[str, Any]], *, protocol: str = "own", baseline: str = "dscmr"
-) -> str:
-  """One row per system: mAP and NDCG averaged over clients, ``N`` and directions.
-
-  ``mean ± std`` over runs; systems sorted by mean average mAP, best first. The
-  last column is the **paired** difference in mean mAP to ``baseline`` (each
-  run minus the baseline of the same run, then mean ± std), which removes the
-  run-to-run variation the systems share (same data, same initial models).
-  When the runs hold it, a last row gives the chance level: a random ranking
-  of the same test pairs (:func:`chance_level`).
-  """
-  key = PROTOCOLS[protocol][0]
-  rows = []
-  for m in METHODS:
-    if not all(m in r[key] for r in results):
-      continue
-    maps = [_mean_over_cells(r, m, "mAP", key) for r in results]
-    ndcgs = [_mean_over_cells(r, m, "NDCG", key) for r in results]
-    row = [METHODS[m], _cell(maps), _cell(ndcgs)]
-    if all(baseline in r[key] for r in results):
-      diffs = [
-        x - _mean_over_cells(r, baseline, "mAP", key) for x, r in zip(maps, results, strict=True)
-      ]
-      row.append(_cell(diffs, signed=True))
-    rows.append((np.mean(maps), row))
-  rows.sort(key=lambda x: -x[0])
-  rows = [row for _, row in rows]
-  headers = ["Method", "mean mAP@N", "mean NDCG@N"]
-  if rows and len(rows[0]) == 4:
-    headers.append(f"mAP - {METHODS[baseline]} (paired)")
-  chance_key = {"own": "own_test", "global": "global_test"}[protocol]
-  if rows and all(chance_key in r.get("chance", {}) for r in results):
-    chance = [r["chance"][chance_key] for r in results]
-    row = ["random ranking (chance)", _cell([c["mAP"] for c in chance])]
-    row.append(_cell([c["NDCG"] for c in chance]))
-    rows.append(row + [""] * (len(headers) - len(row)))
-  return report_lib.format_table(headers, rows)
 
 
 def weights_table(results: Sequence[Mapping[str, Any]], *, last: int | None = None) -> str:
@@ -196,7 +170,7 @@ def weights_table(results: Sequence[Mapping[str, Any]], *, last: int | None = No
         series = r["weights"][m][c]
         k = last or max(1, len(series) // 2)
         values.append(float(np.mean(series[-k:])))
-      row.append(_cell(values))
+      row.append(f"{np.mean(values):.4f}")
     rows.append(row)
   if not rows:
     return ""
@@ -284,30 +258,12 @@ def report(
     f"{outcome.wall_time_s:.0f} s"
     + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
   )
-  sections = [("Setup", summary)]
-  for protocol, (_, title) in PROTOCOLS.items():
-    sections.append(
-      (
-        f"Ranking on the {title} (mean over clients, N and directions)",
-        ranking([result], protocol=protocol),
-      )
-    )
   weights = weights_table([result])
-  if weights:
-    sections.append(
-      ("Aggregation weights lambda (mean over the second half of the rounds)", weights)
-    )
-  for protocol, (_, title) in PROTOCOLS.items():
-    t = tables([result], protocol=protocol)
-    if "main" in t:
-      sections.append(
-        (
-          f"Systems on the {title} (the paper's Tables 1-2, with FedAvg / FedProx (common))",
-          t["main"],
-        )
-      )
-    if "ablation" in t:
-      sections.append((f"Ablations on the {title} (as the paper's Tables 3-4)", t["ablation"]))
+  tail = (
+    []
+    if not weights
+    else [("Aggregation weights lambda (mean over the second half of the rounds)", weights)]
+  )
   plots = {}
   for file, prefix, title in (
     ("global.png", "global/", "shared test set, all classes"),
@@ -325,32 +281,13 @@ def report(
     figures.append("![aggregation weights](lambda.png)")
   return loop.Report(
     title="FedSCMR and its baselines",
-    sections=[*sections, ("Curves", "\n\n".join(figures))],
+    sections=[("Setup", summary)],
     plots=plots,
     results=result,
-    text="\n\n".join(f"{h}\n\n{b}" for h, b in sections),
+    text="\n\n".join([summary] + [f"{h}\n\n{b}" for h, b in tail]),
+    final=_final(result),
+    baselines={
+      "random ranking (chance)": {"global": chance["global_test"], "own": chance["own_test"]}
+    },
+    tail=[*tail, ("Curves", "\n\n".join(figures))],
   )
-
-
-def summarize(workdirs: Sequence[str | pathlib.Path]) -> str:
-  """Mean ± std over the ``results.json`` of several runs (seeds): rankings and tables.
-
-  Rankings under both protocols (with the chance level), the mean aggregation
-  weights, then Tables 1-4 under both protocols. The runs must share every config
-  key but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
-  """
-  results, _ = report_lib.load_seed_runs(workdirs)
-  seeds = ", ".join(str(r.get("seed")) for r in results)
-  parts = [f"{len(results)} runs (seeds {seeds}); cells are mean ± std over runs."]
-  protocols = _protocols(results)
-  for protocol in protocols:
-    parts += [f"Ranking on the {PROTOCOLS[protocol][1]}:", ranking(results, protocol=protocol)]
-  weights = weights_table(results)
-  if weights:
-    parts += ["Aggregation weights lambda (mean over the second half of the rounds):", weights]
-  for protocol in protocols:
-    t = tables(results, protocol=protocol)
-    for k in ("main", "ablation"):
-      if k in t:
-        parts += [f"Tables ({k}) on the {PROTOCOLS[protocol][1]}:", t[k]]
-  return "\n\n".join(parts)

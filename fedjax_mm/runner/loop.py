@@ -109,7 +109,13 @@ from fedjax_mm.core import processes
 from fedjax_mm.core.checkpoint import Checkpointer
 from fedjax_mm.core.ledger import Ledger, format_bytes, tree_bytes
 from fedjax_mm.runner import report as report_lib
-from fedjax_mm.runner.errors import ConfigError, NonFiniteError, Preempted, checkpoint_note
+from fedjax_mm.runner.errors import (
+  ConfigError,
+  NonFiniteError,
+  Preempted,
+  SummaryError,
+  checkpoint_note,
+)
 from fedjax_mm.runner.workdir import WorkdirError, claim_workdir
 from fedjax_mm.runner.writers import MetricWriter, read_metrics
 
@@ -137,7 +143,14 @@ class Report(NamedTuple):
     sections: ``(heading, markdown body)`` pairs of ``report.md``.
     plots: PNG file name in the workdir -> its curves.
     results: written to ``results.json`` (indent 2) and returned by :func:`run`.
-    text: printed at the end, after a blank line.
+    text: printed at the end, after a blank line and the result tables.
+    final: method -> its metrics as the system's result tables
+      (:attr:`System.tables`) read them, nested (flattened to their column keys by
+      :func:`~fedjax_mm.runner.report.flatten`).
+    baselines: baseline row name (``"chance"``, ``"majority class"``) -> its
+      metrics, nested the same way.
+    tail: ``report.md`` sections after the result tables and :attr:`System.sections`
+      (the curves).
   """
 
   title: str
@@ -145,6 +158,9 @@ class Report(NamedTuple):
   plots: Mapping[str, Curves]
   results: Mapping[str, Any]
   text: str
+  final: Mapping[str, Any] = {}
+  baselines: Mapping[str, Any] = {}
+  tail: Sequence[tuple[str, str]] = ()
 
 
 class Outcome(NamedTuple):
@@ -247,22 +263,29 @@ class System(NamedTuple):
       :attr:`experiment` before it builds anything.
     experiment: ``config -> Experiment``: data, models and algorithms built,
       with the system's evaluation (``state -> metrics``), traffic and report.
-    table: the declarative spec of its result table (columns, headline, chance
-      row), when the system gives one; its report and summary render it.
-    sections: ``(config, Outcome) -> [(heading, body)]``, report sections
-      beyond the result table (CreamFL's VQA table, FedRGB's distortion
-      matrix), appended to :attr:`Report.sections`; None for none.
-    summarize: ``workdirs -> markdown``, its table over seeds of finished runs
-      (``experiments/summarize.py``); None: the generic table only.
+    tables: ``config -> [Table]``, the declarative specs of its result tables
+      (:class:`~fedjax_mm.runner.report.Table`: columns, headline, baseline rows,
+      reference comparison). The loop renders them after :attr:`Report.sections`
+      from :attr:`Report.final` and :attr:`Report.baselines`, which it also writes
+      to ``results.json`` ``"report"``; :meth:`summarize` renders them over seeds.
+    sections: ``(config, Outcome) -> [(heading, body)]``, report sections that
+      are no result table (FedRGB's distortion matrices, FedSCMR's aggregation
+      weights), after the result tables; None for none.
   """
 
   name: str
   methods: Sequence[str]
   validate: Callable[[Any], None]
   experiment: Callable[[Any], Experiment]
-  table: report_lib.Table | None = None
+  tables: Callable[[Any], Sequence[report_lib.Table]] | None = None
   sections: Callable[[Any, Outcome], Sequence[tuple[str, str]]] | None = None
-  summarize: Callable[[Sequence[Any]], str] | None = None
+
+  def summarize(self, workdirs: Sequence[Any]) -> str:
+    """Its result tables over seeds of finished runs (``experiments/summarize.py``):
+    :func:`fedjax_mm.runner.report.summarize` of :attr:`tables`."""
+    if self.tables is None:
+      raise SummaryError(f"{self.name} declares no result table to summarise; use --keys.")
+    return report_lib.summarize(workdirs, self.tables)
 
   def run(
     self,
@@ -359,18 +382,24 @@ def run(
       return {}
     outcome = Outcome(final, read_metrics(workdir), ledgers, time.time() - started, start)
     report = experiment.report(outcome)
-    if system is not None and system.sections is not None:
-      report = report._replace(sections=[*report.sections, *system.sections(config, outcome)])
-    report_lib.write_report(workdir / "report.md", title=report.title, sections=report.sections)
+    tables = system.tables(config) if system is not None and system.tables else ()
+    final = {m: report_lib.flatten(f) for m, f in report.final.items()}
+    baselines = {b: report_lib.flatten(v) for b, v in report.baselines.items()}
+    rendered = report_lib.render_tables(tables, [final], [baselines])
+    extra = system.sections(config, outcome) if system is not None and system.sections else ()
+    sections = [*report.sections, *rendered, *extra, *report.tail]
+    report_lib.write_report(workdir / "report.md", title=report.title, sections=sections)
     for name, curves in report.plots.items():
       report_lib.plot_curves(
         workdir / name, curves.series, title=curves.title, ylabel=curves.ylabel
       )
-    results = report.results
+    results = dict(report.results)
+    if tables:  # What the summary over seeds renders the tables from.
+      results["report"] = {"final": final, "baselines": baselines}
     if system is not None:  # Named first, so a reader (experiments/summarize.py) needs no guess.
       results = {"system": system.name, **results}
     report_lib.write_text(workdir / "results.json", json.dumps(results, indent=2))
-    print("\n" + report.text)
+    print("\n" + "\n\n".join([*(f"{t}:\n{b}" for t, b in rendered), report.text]))
     return results
 
 

@@ -420,14 +420,10 @@ def experiment(config) -> loop.Experiment:
   chance_global = {f"R@{k}": 100 * min(1.0, k / config.global_test) for k in KS}
 
   def report(outcome: loop.Outcome) -> loop.Report:
-    table = TABLE.render(
-      {m: outcome.final[m] for m in methods}, {"own": chance, "global": chance_global}
-    )
     text = (
       f"RCSR on the world: N={n}, C={config.participation}, MR={config.missing_rate}, "
       f"alpha={config.alpha}, {config.rounds} rounds, seed {config.seed}"
       + (f" (resumed at round {outcome.resumed_at})" if outcome.resumed_at else "")
-      + f"\n{table}"
     )
     results = {
       "methods": {m: outcome.final[m] for m in methods},
@@ -438,8 +434,17 @@ def experiment(config) -> loop.Experiment:
         m: {"up": by[2][0], "down": by[2][1], "up_single": by[1][0]} for m, by in sent.items()
       },
     }
+    # Chance by the table's keys: K / global_test on the shared test, K / test_per_client own.
+    by_key = {f"{d}R@{k}": chance_global[f"R@{k}"] for k in KS for d in ("i2t_", "t2i_", "")}
+    baselines = {"chance": {"global": by_key, "fairness": {"mean_R@1": chance["R@1"]}}}
     return loop.Report(
-      title="RCSR", sections=[("Results", table)], plots={}, results=results, text=text
+      title="RCSR",
+      sections=[],
+      plots={},
+      results=results,
+      text=text,
+      final=results["methods"],
+      baselines=baselines,
     )
 
   return loop.Experiment(
@@ -456,40 +461,23 @@ def experiment(config) -> loop.Experiment:
 
 
 #: The report's table: global Recall@K (chance K / global_test), the clients' own
-#: Rbar@1 and its spread (chance K / test_per_client), the personal adapters' shift.
+#: Rbar@1 and its spread (chance K / test_per_client), the personal adapters' shift; over
+#: seeds RCSR minus every other method, paired by seed.
 TABLE = report_lib.Table(
+  "Results",
   [
-    *(report_lib.Column(f"I2T R@{k}", f"global.i2t_R@{k}", chance=f"global.R@{k}") for k in KS),
-    *(report_lib.Column(f"T2I R@{k}", f"global.t2i_R@{k}", chance=f"global.R@{k}") for k in KS),
-    *(report_lib.Column(f"Rbar@{k}", f"global.R@{k}", chance=f"global.R@{k}") for k in KS),
-    report_lib.Column("own Rbar@1 mean", "fairness.mean_R@1", chance="own.R@1"),
-    report_lib.Column("std", "fairness.std_R@1"),
+    *(report_lib.Column(f"I2T R@{k}", f"global.i2t_R@{k}") for k in KS),
+    *(report_lib.Column(f"T2I R@{k}", f"global.t2i_R@{k}") for k in KS),
+    *(report_lib.Column(f"Rbar@{k}", f"global.R@{k}") for k in KS),
+    report_lib.Column("own Rbar@1 mean", "fairness.mean_R@1"),
+    report_lib.Column("std", "fairness.std_R@1", higher=False),
     report_lib.Column("worst", "fairness.worst_R@1"),
-    report_lib.Column("gap", "fairness.gap_R@1"),
+    report_lib.Column("gap", "fairness.gap_R@1", higher=False),
     report_lib.Column("personal shift", "personal_shift", digits=4),
   ],
   headline="global.R@1",
+  reference="rcsr",
 )
-
-#: The summary's columns over seeds: R@1 and Rbar@K of the shared test, and fairness.
-SUMMARY_TABLE = TABLE._replace(
-  columns=[
-    c for c in TABLE.columns if c.header in ("I2T R@1", "T2I R@1") or c.header.startswith("Rbar@")
-  ]
-  + [c for c in TABLE.columns if c.key.startswith("fairness.")]
-)
-
-
-def summarize(workdirs) -> str:
-  """Mean ± sample std over runs (seeds) of every method, then RCSR minus every other
-  method paired by seed: ``python -m experiments.summarize``.
-
-  The runs must share every config key but the seed.
-  """
-  runs, configs = report_lib.load_seed_runs(workdirs)
-  table = SUMMARY_TABLE.render_seeds([r["methods"] for r in runs], runs[0]["chance"], paired="rcsr")
-  seeds = ", ".join(str(c["seed"]) for c in configs)
-  return f"RCSR, mean ± std over seeds {seeds} (R@K, %):\n{table}"
 
 
 #: RCSR as the loop runs it (:class:`fedjax_mm.runner.loop.System`).
@@ -498,9 +486,8 @@ SYSTEM = loop.System(
   methods=alg.METHODS,
   validate=validate,
   experiment=experiment,
-  table=TABLE,
-  summarize=summarize,
+  tables=lambda config: [TABLE],
 )
 run = SYSTEM.run
 
-__all__ = ["SYSTEM", "TABLE", "build", "experiment", "recall", "run", "summarize", "validate"]
+__all__ = ["SYSTEM", "TABLE", "build", "experiment", "recall", "run", "validate"]

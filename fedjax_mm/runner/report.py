@@ -41,7 +41,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,12 +53,14 @@ from fedjax_mm.runner.workdir import config_diff
 __all__ = [
   "Column",
   "Table",
+  "flatten",
   "format_table",
   "load_seed_runs",
   "mean_std",
   "percent",
   "plot_curves",
-  "seed_cell",
+  "render_tables",
+  "summarize",
   "write_report",
   "write_text",
 ]
@@ -98,7 +100,11 @@ def _cell(value: Any, floatfmt: str) -> str:
 
 
 def format_table(
-  headers: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str = ".2f"
+  headers: Sequence[str],
+  rows: Sequence[Sequence[Any]],
+  *,
+  floatfmt: str = ".2f",
+  numeric: Sequence[bool] | None = None,
 ) -> str:
   """Formats rows as an aligned GitHub-flavoured markdown table.
 
@@ -121,6 +127,8 @@ def format_table(
     headers: the column names.
     rows: one sequence per row, each as long as ``headers``.
     floatfmt: ``format`` spec for float cells, e.g. ``".3f"`` or ``".2e"``.
+    numeric: per column, whether to right-align it (pre-formatted numbers);
+      None: the columns whose cells are all numbers.
 
   Returns:
     The table, lines joined by ``"\\n"``, without a trailing newline.
@@ -132,11 +140,12 @@ def format_table(
   for i, row in enumerate(rows):
     if len(row) != ncols:
       raise ValueError(f"row {i} has {len(row)} cells, expected {ncols} (one per header)")
-  numeric = [
-    any(row[j] is not None for row in rows)
-    and all(row[j] is None or _is_number(row[j]) for row in rows)
-    for j in range(ncols)
-  ]
+  if numeric is None:
+    numeric = [
+      any(row[j] is not None for row in rows)
+      and all(row[j] is None or _is_number(row[j]) for row in rows)
+      for j in range(ncols)
+    ]
   header_cells = [_cell(h, floatfmt) for h in headers]
   body = [[_cell(v, floatfmt) for v in row] for row in rows]
   # Separator cells at least three characters wide (":--"), as markdown linters expect.
@@ -241,23 +250,23 @@ def load_seed_runs(workdirs: Iterable[str | os.PathLike[str]]) -> tuple[list[dic
   return runs, configs
 
 
-def seed_cell(values: Iterable[Any], *, digits: int = 1) -> str:
-  """``"mean ± sample std"`` of values already in the unit to print (``± 0.0`` for one).
-
-  Example:
-    >>> seed_cell([10.0, 12.0])
-    '11.0 ± 1.4'
-  """
-  values = np.asarray(list(values), np.float64)
-  std = values.std(ddof=1) if len(values) > 1 else 0.0
-  return f"{values.mean():.{digits}f} ± {std:.{digits}f}"
-
-
-def lookup(tree: Mapping[str, Any], dotted: str) -> Any:
-  """``tree["a"]["b"]`` for ``"a.b"``; a path with no dot is one key (``"R@1"``)."""
-  for part in dotted.split("."):
-    tree = tree[part]
-  return tree
+def flatten(tree: Any, prefix: str = "") -> dict[str, float]:
+  """The numbers of a nested mapping (lists by index) as ``{"a.b": value}``, the keys a
+  :class:`Column` names; text, None and bools are left out."""
+  if _is_number(tree):
+    return {prefix: float(tree)}
+  if isinstance(tree, np.ndarray):
+    tree = tree.tolist()
+  if isinstance(tree, Mapping):
+    items = tree.items()
+  elif isinstance(tree, list | tuple):
+    items = enumerate(tree)
+  else:
+    return {}
+  out = {}
+  for k, v in items:
+    out |= flatten(v, f"{prefix}.{k}" if prefix else str(k))
+  return out
 
 
 class Column(NamedTuple):
@@ -265,99 +274,220 @@ class Column(NamedTuple):
 
   Attributes:
     header: the column's heading.
-    key: dotted path of its value in a method's final metrics (``"global.R@1"``).
+    key: its value's key in a row's flat metrics (:func:`flatten`: ``"global.R@1"``).
     digits: decimals printed.
-    chance: dotted path of its value in the run's chance levels; None leaves
-      the chance row's cell empty.
+    higher: True when a higher value is better (recall, accuracy); the verdict of a
+      paired difference (:func:`fedjax_mm.metrics.seeds.verdict`) reads it.
+    signed: print an explicit sign (a difference: ``+13.33``).
+    format: ``value -> text`` instead of ``digits`` (bytes: ``format_bytes``).
   """
 
   header: str
   key: str
   digits: int = 1
-  chance: str | None = None
+  higher: bool = True
+  signed: bool = False
+  format: Callable[[float], str] | None = None
+
+  def text(self, value: float | None) -> str:
+    if value is None:
+      return ""
+    if self.format is not None:
+      return self.format(value)
+    return format(value, f"{'+' if self.signed else ''}.{self.digits}f")
 
 
 class Table(NamedTuple):
-  """A system's result table, declared: one row per method, then the chance row.
+  """A system's result table, declared: one row per method, then its baseline rows.
 
-  The report renders one run's final metrics (:meth:`render`); the summary over
-  seeds the same columns as mean ± sample std, with differences paired by seed
-  (:meth:`render_seeds`). Both read the metrics by the columns' dotted keys, so a
-  system states its table once instead of formatting it twice.
+  The loop renders it from a run's ``results.json`` ``"report"`` section
+  (:meth:`render`: ``final`` is method -> flat metrics, ``baselines`` name -> flat
+  metrics, both keyed by the columns' keys), and the summary over seeds renders it
+  from several runs' (:meth:`render_seeds`): each cell the mean ± the half-width of
+  its 95% interval, and the paired difference ``reference - other`` seed by seed
+  with its interval and a verdict (:mod:`fedjax_mm.metrics.seeds`).
 
   Attributes:
+    title: its section heading in ``report.md``.
     columns: the value columns, in order.
-    headline: dotted key of the run's headline metric (the one number it is
-      known by), a key of one of :attr:`columns`.
+    headline: key of the table's headline metric (the one number a method is known
+      by; the paired rows' verdict and ``sort`` read it); None: the first column's.
     label: heading of the first column (the method names).
-    chance_label: first cell of the chance row.
+    baselines: the rows after the methods, by name (``"chance"``, a trivial
+      predictor's ``"majority class"``, ``"initial model"``); a name no run gives,
+      or a key its values lack, leaves the row or the cell out.
+    reference: the method the summary compares, seed by seed, against ``against``
+      (None: against every other row); no paired rows when it did not run.
+    against: the methods ``reference`` is compared with.
+    methods: the rows this table shows, in order (None: every method of ``final``);
+      a method holding none of its keys is left out, and so is the table when fewer
+      than ``min_rows`` methods are left.
+    groups: blocks of rows, ``(leading cells, key prefix)``: each block shows every
+      method with the columns' keys prefixed (FedSCMR's rows per metric and task).
+    group_headers: headings of the leading cells.
+    sort: rows by the headline, best first.
+    min_rows: fewest method rows to show the table.
 
   Example:
-    >>> table = Table([Column("R@1", "R@1", chance="R@1")], headline="R@1")
-    >>> print(table.render({"a": {"R@1": 12.34}}, {"R@1": 1.0}))
-    | Method | R@1  |
-    | :----- | :--- |
+    >>> table = Table("Results", [Column("R@1", "R@1")])
+    >>> print(table.render({"a": {"R@1": 12.34}}, {"chance": {"R@1": 1.0}}))
+    | Method |  R@1 |
+    | :----- | ---: |
     | a      | 12.3 |
-    | chance | 1.0  |
+    | chance |  1.0 |
   """
 
+  title: str
   columns: Sequence[Column]
-  headline: str
+  headline: str | None = None
   label: str = "Method"
-  chance_label: str = "chance"
+  baselines: Sequence[str] = ("chance",)
+  reference: str | None = None
+  against: Sequence[str] | None = None
+  methods: Sequence[str] | None = None
+  groups: Sequence[tuple[Sequence[str], str]] = ()
+  group_headers: Sequence[str] = ()
+  sort: bool = False
+  min_rows: int = 1
 
-  def headers(self) -> list[str]:
-    return [self.label, *(c.header for c in self.columns)]
+  def _headline(self) -> Column:
+    key = self.headline or self.columns[0].key
+    return next(c for c in self.columns if c.key == key)
 
-  def headline_values(self, final: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """Method -> its headline metric."""
-    return {m: float(lookup(f, self.headline)) for m, f in final.items()}
-
-  def chance_row(self, chance: Mapping[str, Any]) -> list[str]:
-    return [self.chance_label] + [
-      "" if c.chance is None else f"{float(lookup(chance, c.chance)):.{c.digits}f}"
-      for c in self.columns
-    ]
+  def _rows(self, finals: Sequence[Mapping[str, Mapping[str, float]]]) -> list[str]:
+    """The methods shown: in every run, holding one of the table's keys."""
+    keys = {p + c.key for _, p in self.groups or [((), "")] for c in self.columns}
+    names = self.methods if self.methods is not None else list(finals[0])
+    rows = [m for m in names if all(m in f for f in finals) and keys & set(finals[0][m])]
+    if self.sort:
+      head = self._headline()
+      mean = lambda m: np.mean([f[m].get(head.key, np.nan) for f in finals])
+      rows.sort(key=lambda m: -mean(m) if head.higher else mean(m))
+    return rows
 
   def render(
-    self, final: Mapping[str, Mapping[str, Any]], chance: Mapping[str, Any] | None = None
-  ) -> str:
-    """The table of one run: ``final`` is method -> its metrics, in row order."""
-    rows = [
-      [m] + [f"{float(lookup(f, c.key)):.{c.digits}f}" for c in self.columns]
-      for m, f in final.items()
-    ]
-    if chance is not None:
-      rows.append(self.chance_row(chance))
-    return format_table(self.headers(), rows)
+    self, final: Mapping[str, Mapping[str, float]], baselines: Mapping[str, Mapping[str, float]]
+  ) -> str | None:
+    """The table of one run; None when it has too few rows."""
+    return self.render_seeds([final], [baselines])
 
   def render_seeds(
     self,
-    runs: Sequence[Mapping[str, Mapping[str, Any]]],
-    chance: Mapping[str, Any] | None = None,
-    *,
-    paired: str | None = None,
-  ) -> str:
-    """The table over seeds: each run's method -> metrics; cells :func:`seed_cell`.
+    finals: Sequence[Mapping[str, Mapping[str, float]]],
+    baselines: Sequence[Mapping[str, Mapping[str, float]]],
+  ) -> str | None:
+    """The table over runs (seeds, in order); one run prints its values as they are."""
+    from fedjax_mm.metrics import seeds  # scipy: only when a table is rendered
 
-    With ``paired``, one more row per other method: ``paired`` minus it, run by
-    run (the same seed), then summarised.
-    """
-    methods = [m for m in runs[0] if all(m in r for r in runs)]
-    value = lambda r, m, c: float(lookup(r[m], c.key))
-    cell = lambda values, c: seed_cell(values, digits=c.digits)
-    rows = [[m] + [cell([value(r, m, c) for r in runs], c) for c in self.columns] for m in methods]
-    if paired in methods:
-      for other in (m for m in methods if m != paired):
-        rows.append(
-          [f"{paired} - {other} (paired)"]
-          + [
-            cell([value(r, paired, c) - value(r, other, c) for r in runs], c) for c in self.columns
-          ]
-        )
-    if chance is not None:
-      rows.append(self.chance_row(chance))
-    return format_table(self.headers(), rows)
+    methods = self._rows(finals)
+    if len(methods) < self.min_rows:
+      return None
+    several = len(finals) > 1
+    reference = self.reference if several and self.reference in methods else None
+    against = [m for m in (self.against or methods) if m in methods and m != reference]
+    head = self._headline()
+
+    def values(runs, name, key):
+      got = [r.get(name, {}).get(key) for r in runs]
+      return None if any(v is None for v in got) else got
+
+    def cell(column, got):
+      if got is None:
+        return ""
+      if not several or not np.all(np.isfinite(got)):
+        return column.text(got[0]) if not several else "nan"
+      i = seeds.interval(got)
+      if column.format is not None or i.n == 1:
+        return column.text(i.mean)
+      return f"{column.text(i.mean)} ± {i.half_width:.{column.digits}f}"
+
+    def diff(column, a, b):
+      if a is None or b is None or not np.all(np.isfinite([*a, *b])):
+        return "" if a is None or b is None else "nan"
+      d = seeds.paired_difference(a, b)
+      f = lambda x: f"{x:+.{column.digits}f}"
+      return f"{f(d.mean)} [{f(d.low)}, {f(d.high)}]" if d.n > 1 else f(d.mean)
+
+    rows = []
+    for lead, prefix in self.groups or [((), "")]:
+      for m in methods:
+        rows.append([*lead, m] + [cell(c, values(finals, m, prefix + c.key)) for c in self.columns])
+      for other in against if reference else ():
+        cells = []
+        for c in self.columns:
+          a, b = (values(finals, x, prefix + c.key) for x in (reference, other))
+          cells.append(diff(c, a, b))
+        a, b = (values(finals, x, prefix + head.key) for x in (reference, other))
+        verdict = ""
+        if diff(head, a, b) not in ("", "nan"):
+          verdict = seeds.verdict(seeds.paired_difference(a, b), 1 if head.higher else -1)
+        rows.append([*lead, f"{reference} - {other} (paired)", *cells, verdict])
+      for name in self.baselines:
+        got = [values(baselines, name, prefix + c.key) for c in self.columns]
+        if any(g is not None for g in got):
+          rows.append([*lead, name] + [cell(c, g) for c, g in zip(self.columns, got, strict=True)])
+    headers = [*self.group_headers, self.label, *(c.header for c in self.columns)]
+    if reference:
+      headers.append(f"verdict ({head.header})")
+      rows = [r + [""] * (len(headers) - len(r)) for r in rows]
+    lead = len(self.group_headers) + 1
+    align = (
+      [False] * lead
+      + [True] * len(self.columns)
+      + [False] * (len(headers) - lead - len(self.columns))
+    )
+    return format_table(headers, rows, numeric=align)
+
+
+def render_tables(
+  tables: Sequence[Table],
+  finals: Sequence[Mapping[str, Mapping[str, float]]],
+  baselines: Sequence[Mapping[str, Mapping[str, float]]],
+) -> list[tuple[str, str]]:
+  """``(title, markdown)`` of each table that has rows, over one run or several."""
+  out = []
+  for table in tables:
+    body = table.render_seeds(finals, baselines)
+    if body is not None:
+      out.append((table.title, body))
+  return out
+
+
+def summarize(
+  workdirs: Sequence[str | os.PathLike[str]], tables: Callable[[Any], Sequence[Table]]
+) -> str:
+  """A system's result tables over finished runs that differ only in their seed.
+
+  ``tables`` is the system's :attr:`~fedjax_mm.runner.loop.System.tables`, given the
+  runs' config (``config.json``); the values come from each ``results.json``'s
+  ``"report"`` section. Cells are the mean ± the half-width of the 95% Student-t
+  interval over the seeds; each table's reference comparison is paired by seed.
+
+  Raises:
+    SummaryError: the runs differ in more than the seed, or a run has no ``"report"``
+      section (it was written before results.json held one).
+  """
+  import ml_collections  # noqa: PLC0415 - the configs only when summarising
+
+  runs, configs = load_seed_runs(workdirs)
+  for w, r in zip(workdirs, runs, strict=True):
+    if "report" not in r:
+      raise SummaryError(
+        f'{w}/results.json has no "report" section: it was written before runs recorded '
+        "their result tables; run it again (it resumes and rewrites the report)."
+      )
+  specs = tables(ml_collections.ConfigDict(configs[0]))
+  parts = render_tables(
+    specs, [r["report"]["final"] for r in runs], [r["report"]["baselines"] for r in runs]
+  )
+  seeds = ", ".join(str(c.get("seed")) for c in configs)
+  lead = (
+    f"{runs[0].get('system', 'runs')}: {len(runs)} runs (seeds {seeds}); each cell the mean "
+    "± the half-width of its 95% t interval over the seeds; a paired row: the difference seed "
+    "by seed, its mean [95% interval], and whether it shows the reference better in the "
+    "verdict's column (reproduced / inconclusive / reversed)."
+  )
+  return "\n\n".join([lead] + [f"{title}:\n\n{body}" for title, body in parts])
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:
