@@ -13,7 +13,7 @@ and for each table's reference comparison (RCSR minus every other method, FedRGB
 minus every other, CreamFL minus local and FedAvg, FedSCMR minus FedAvg and DSCMR,
 FedMuscle minus every other) the difference paired seed by seed with its mean
 [95% interval] and a verdict (:func:`fedjax_mm.metrics.seeds.verdict`: reproduced,
-inconclusive, reversed; "one seed" for one run). Those runs must differ in nothing
+undecided, reversed; "one seed" for one run). Those runs must differ in nothing
 but the seed (:func:`fedjax_mm.runner.report.load_seed_runs`).
 
 ``--keys`` gives the generic table of any ``results.json`` keys instead: the runs

@@ -37,6 +37,7 @@ def test_verdicts():
   one = seeds.paired_difference([1.0], [0.0])
   assert math.isnan(one.low) and seeds.verdict(one) == "one seed"
   assert str(one) == "+1.00 (n=1)"
+  assert seeds.Interval(-1e-9, -0.5, 0.5, 3).format(2) == "+0.00 [-0.50, +0.50] (n=3)"
 
 
 def test_bad_input_is_refused():

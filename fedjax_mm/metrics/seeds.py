@@ -50,7 +50,11 @@ class Interval(NamedTuple):
 
   def format(self, digits: int = 2, *, signed: bool = True) -> str:
     """``"+1.90 [+0.73, +3.07] (n=5)"``; ``"+1.90 (n=1)"`` without spread."""
-    f = (lambda x: f"{x:+.{digits}f}") if signed else (lambda x: f"{x:.{digits}f}")
+
+    def f(x: float) -> str:
+      x = 0.0 if round(x, digits) == 0 else x  # never "-0.00"
+      return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
     if math.isnan(self.low):
       return f"{f(self.mean)} (n={self.n})"
     return f"{f(self.mean)} [{f(self.low)}, {f(self.high)}] (n={self.n})"

@@ -485,7 +485,7 @@ def summarize(
     f"{runs[0].get('system', 'runs')}: {len(runs)} runs (seeds {seeds}); each cell the mean "
     "± the half-width of its 95% t interval over the seeds; a paired row: the difference seed "
     "by seed, its mean [95% interval], and whether it shows the reference better in the "
-    "verdict's column (reproduced / inconclusive / reversed)."
+    "verdict's column (reproduced / undecided / reversed)."
   )
   return "\n\n".join([lead] + [f"{title}:\n\n{body}" for title, body in parts])
 
