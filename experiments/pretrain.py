@@ -46,6 +46,12 @@ def get_config(arg=None):
   # (an image encoder of this run's pairs, trained first by CLIP alone) is regressed by
   # every other image tower's pooled feature with this weight; "" distils nothing.
   config.distill = ml_collections.ConfigDict({"teacher": "", "weight": 1.0})
+  # FedMuscle's precondition, printed in the report: every two of these encoders (its
+  # default lineup, experiments/fedmuscle.py) share k CCA directions on a public set of
+  # its size and shift; how well do those decode shape? (fedjax_mm.zoo.cca)
+  config.precondition = ml_collections.ConfigDict(
+    {"encoders": ("vit_s", "resnet_t", "cnn_m"), "public_size": 640, "public_shift": 1.0, "k": 8}
+  )
   config.batch_size = 128
   config.embed_dim = 128
   config.learning_rate = 1e-3
@@ -69,6 +75,9 @@ def get_config(arg=None):
     config.probe = ml_collections.ConfigDict({"train": 64, "test": 64})
     config.eval_pairs = 32
     config.stats_size = 64
+    config.precondition = ml_collections.ConfigDict(
+      {"encoders": ("vit_t", "cnn_s"), "public_size": 64, "public_shift": 1.0, "k": 4}
+    )
   elif arg is not None:
     raise ValueError(f"unknown variant {arg!r}; expected smoke.")
   return config

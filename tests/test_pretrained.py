@@ -222,6 +222,11 @@ def test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality(tmp_path
   recorded = json.loads((folder / "vit_t" / "config.json").read_text())
   assert recorded["pretraining"]["partner"] == "transformer_t"
   assert recorded["quality"] == results["pairs"]["vit_t+transformer_t"]
+  # FedMuscle's precondition, measured on the folders and printed.
+  shared = results["precondition"]["vit_t/cnn_s"]
+  assert 0 <= shared["min"] == min(shared["x"], shared["y"]) <= 100
+  assert len(shared["correlations"]) == config.precondition.k
+  assert "shape in the shared directions" in (tmp_path / "run" / "report.md").read_text()
   # Reload the owner pair from its folders and measure again.
   model = pretrain.load_pair(config, folder, "vit_t", "transformer_t")
   splits = _eval_splits(config)
@@ -438,6 +443,7 @@ def test_shipped_pair_reproduces_its_recorded_quality():
     (lambda c: setattr(c, "warmup_fraction", 1.0), r"warmup_fraction must be in \[0, 1\)"),
     (lambda c: setattr(c, "eval_pairs", 5), r"^eval_pairs must be >= 10, got 5\.$"),
     (lambda c: setattr(c, "stats_size", 10**6), r"stats_size must be in \[2, web\.size\]"),
+    (lambda c: setattr(c.precondition, "encoders", ("gru",)), "precondition.encoders names 'gru'"),
     (lambda c: setattr(c.distill, "teacher", "cnn_m"), "distill.teacher 'cnn_m' is not an image"),
     (lambda c: setattr(c.distill, "weight", -1.0), r"^distill\.weight must be >= 0, got -1\.0\.$"),
   ],
