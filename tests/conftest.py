@@ -93,6 +93,7 @@ SLOW_TESTS = (
   "test_pretrained.py::test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality",
   "test_pretrained.py::test_shipped_feature_stats_are_the_pretraining_datas",
   "test_pretrained.py::test_shipped_pair_reproduces_its_recorded_quality",
+  "test_algorithm_interface.py::test_rcsr_round_through_the_interface_is_round_step",
   "test_rcsr.py::test_router_loss_has_no_gradient_into_prototypes_targets",
   "test_rcsr_run.py::test_devices_split_the_sampled_clients_and_change_no_result",
 )

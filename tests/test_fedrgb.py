@@ -203,8 +203,8 @@ def test_raising_a_clients_weight_moves_the_global_model_towards_it(stage1):
     pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(client0), strict=True)
     return sum(float(jnp.sum((a - b) ** 2)) for a, b in pairs)
 
-  uniform = dist(rgb.aggregate(aligns, jnp.asarray([1 / 3, 1 / 3, 1 / 3])))
-  raised = dist(rgb.aggregate(aligns, jnp.asarray([0.6, 0.2, 0.2])))
+  uniform = dist(server.weighted_mean(aligns, jnp.asarray([1 / 3, 1 / 3, 1 / 3])))
+  raised = dist(server.weighted_mean(aligns, jnp.asarray([0.6, 0.2, 0.2])))
   assert raised < uniform
 
 
@@ -381,7 +381,7 @@ def test_fedema_rounds_keep_client_models_and_set_the_scaler():
   np.testing.assert_array_equal(s1.scaler, np.zeros(3))
   np.testing.assert_allclose(m1["weights"], np.array([8, 6, 5]) / 19, rtol=1e-6)
   # The global model is the data-size-weighted mean of the stored client models.
-  mean = rgb.aggregate(s1.clients["aligner"], m1["weights"])
+  mean = server.weighted_mean(s1.clients["aligner"], m1["weights"])
   for a, b in zip(jax.tree.leaves(s1.aligner), jax.tree.leaves(mean), strict=True):
     np.testing.assert_allclose(a, b, atol=1e-6)
   s2, m2 = round_fn(s1, arrays, mask)

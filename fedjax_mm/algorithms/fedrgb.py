@@ -1,7 +1,10 @@
 r"""FedRGB (Algorithm 1): guided local training and a DRO-learnt teacher aligner.
 
 FedRGB paper (``fedrgb.txt``), Sections 4.1-4.2, Algorithm 1, App. B; the
-authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. One round:
+authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. Each method of :data:`METHODS` is an
+:class:`~fedjax_mm.algorithms.base.Algorithm` (:func:`algorithm`, or
+:attr:`FedRGB.algorithm`): ``init(key, encoder, aligner, num_clients, decoder=None)`` and
+``round(state, arrays, mask) -> (state, metrics)``, :class:`FedRGB`'s methods. One round:
 
 1. **DRO losses at the start of the round** (Algorithm 1 line 3): every client
    computes ``v_c = L_dro`` (in the configured form, eq. (12) by default, or eq.
@@ -23,7 +26,7 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. One round:
    loss, so scaling client ``c``'s loss by ``w_c`` (Algorithm 1 line 23, and the
    authors' code) would leave the update unchanged. Here the server's average
    of the stage-1 encoders and aligners is weighted by ``w``
-   (:func:`aggregate`): raising ``w_c`` moves the global model towards client
+   (FedAvg's weighted mean, :func:`fedjax_mm.server.weighted_mean`): raising ``w_c`` moves the global model towards client
    ``c`` (tested).
 5. **Stage 2** (eq. (6), lines 17-27): on each client, a learnable copy of the
    averaged encoder ``f*`` gives distorted features; the client's frozen
@@ -236,6 +239,7 @@ import optax
 from flax import nnx, struct
 
 from fedjax_mm import losses, models, server
+from fedjax_mm.algorithms.base import Algorithm
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import map_clients
 from fedjax_mm.models import layers
@@ -447,13 +451,22 @@ class RgbState:
 
 @dataclasses.dataclass(frozen=True)
 class FedRGB:
-  """Pure functions of one FedRGB / FedAvg run; ``round`` is jitted once by the caller."""
+  """Pure functions of one FedRGB / FedAvg run; ``round`` is jitted once by the caller.
+
+  :attr:`algorithm` is :meth:`init` and :meth:`round` as the library's
+  :class:`~fedjax_mm.algorithms.base.Algorithm`.
+  """
 
   config: RgbConfig
   encoder_def: nnx.GraphDef
   aligner_def: nnx.GraphDef
   decoder_def: nnx.GraphDef | None = None  # FedMAE's decoder
   faults: faults_lib.Faults = faults_lib.NONE  # simulated client faults (module docstring)
+
+  @property
+  def algorithm(self) -> Algorithm:
+    """``Algorithm(init, round)``: :meth:`init` and :meth:`round` of this run."""
+    return Algorithm(init=self.init, round=self.round)
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -670,8 +683,8 @@ class FedRGB:
 
     Frozen encoders are not sent (every client holds the global one, ``encs``).
     """
-    encoder = aggregate(sent["encoder"] if self.config.train_encoders else encs, weights)
-    return encoder, aggregate(sent["aligner"], weights)
+    encoder = server.weighted_mean(sent["encoder"] if self.config.train_encoders else encs, weights)
+    return encoder, server.weighted_mean(sent["aligner"], weights)
 
   def init(
     self, key: Array, encoder: PyTree, aligner: PyTree, num_clients: int, decoder: PyTree = None
@@ -780,7 +793,7 @@ class FedRGB:
         (aligns, jax.random.split(k2, k), arrays, mask, *budget),
         spec,
       )
-      teacher = aggregate(faults.send(1, state.teacher, teachers), received)
+      teacher = server.weighted_mean(faults.send(1, state.teacher, teachers), received)
       aligner = teacher
       metrics["stage2_loss"] = loss2
     dro_losses = state.dro_losses
@@ -876,7 +889,7 @@ class FedRGB:
     sent = faults.send(0, start, trained)
     weights = faults.weights(data_size_weights(mask))
     encoder, aligner = self._average(encs, sent, weights)
-    decoder = aggregate(sent["decoder"], weights) if mae else None
+    decoder = server.weighted_mean(sent["decoder"], weights) if mae else None
     encoder, aligner, decoder = faults.if_any_arrived(
       (encoder, aligner, decoder), (state.encoder, state.aligner, state.decoder)
     )
@@ -1006,9 +1019,22 @@ def data_size_weights(mask: Array) -> Array:
   return sizes / jnp.sum(sizes)
 
 
-def aggregate(stacked: PyTree, weights: Array) -> PyTree:
-  """The server's average of ``[K, ...]`` client parameters weighted by ``w`` ``[K]``."""
-  return server.weighted_mean(stacked, weights)
+def algorithm(
+  config: RgbConfig,
+  encoder_def: nnx.GraphDef,
+  aligner_def: nnx.GraphDef,
+  decoder_def: nnx.GraphDef | None = None,
+  *,
+  faults: faults_lib.Faults = faults_lib.NONE,
+) -> Algorithm:
+  """The method ``config.method`` as an :class:`~fedjax_mm.algorithms.base.Algorithm`.
+
+  ``init(key, encoder, aligner, num_clients, decoder=None) -> RgbState`` and
+  ``round(state, arrays, mask) -> (state, metrics)``: :meth:`FedRGB.init` and
+  :meth:`FedRGB.round` (``decoder_def``: FedMAE's, :func:`build_decoder`; ``faults``: the
+  simulated client faults, module docstring).
+  """
+  return FedRGB(config, encoder_def, aligner_def, decoder_def, faults=faults).algorithm
 
 
 def stage_traffic(alg: FedRGB, state: RgbState) -> dict[str, int]:

@@ -3,7 +3,11 @@ r"""RCSR and RCSR-p (Algorithm 1, eqs. 2-13) and their FedAvg / FedProx baseline
 Paper: ``../shared/papers/rcsr.txt``. Pure losses live in
 :mod:`fedjax_mm.losses.rcsr` (eqs. 2-5), server transforms in
 :mod:`fedjax_mm.server.rcsr` (eqs. 6-11, 13); this module is the model and the
-round.
+round. Each method is the library's :class:`~fedjax_mm.algorithms.base.Algorithm`,
+``algorithm(spec, name) -> Algorithm(init, round)``: :func:`init` with the method's
+:class:`Method` stored in the state, and ``round(state, data)``, :func:`round_step` with
+the method's static switches (:func:`round_flags`) bound and its traced ones read from
+``state.method`` (:class:`RcsrRound`).
 
 **Model.** Frozen image and text encoders (the library's ViT / text Transformer,
 optionally filled with the shipped World-CLIP weights, as the paper freezes CLIP
@@ -227,6 +231,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from fedjax_mm.algorithms.base import Algorithm
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
 from fedjax_mm.losses import creamfl as CF
@@ -902,8 +907,8 @@ def init(
 ) -> RcsrState:
   """Initial state: stacked personal adapters, router, q = 1/N, initial prototypes.
 
-  ``meth`` (default FedAvg's) is stored for evaluation; :func:`round_step` takes the
-  method it runs as its own argument. Like the EMA prototypes, MFCPL's class
+  ``meth`` (default FedAvg's) is stored for evaluation and for :class:`RcsrRound`,
+  which runs it; :func:`round_step` takes the method it runs as its own argument. Like the EMA prototypes, MFCPL's class
   prototypes (when ``arrays`` hold ``label``) start from the frozen initial model over
   every client's held modalities, aggregated as a round would; FedMEKT's proxy targets
   (when ``public`` is given) start as the initial model's embeddings of the proxy set.
@@ -1088,25 +1093,17 @@ def round_step(
     mapped += (budget,)
   new_global, new_personal, stats = map_clients(train, mapped, spec.client_map)
 
-  def report(p, q, a, mk, md):
-    # What a client reports after training: eq. (6)'s prototypes, MFCPL's class
-    # prototypes + counts, FedMEKT's proxy-set embeddings.
-    z_i, z_t = client_embeddings(
-      spec, frozen, p, q, a["image"], a["caption"][:, 0], meth.client_scale
-    )
-    out = {"prototypes": _reported(z_i, z_t, mk, md, state.prototypes)}
-    if mfcpl:
-      out["classes"] = _class_report(spec, z_i, z_t, a["label"], mk, md)
-    if mekt or cream:
-      out["public"] = jnp.stack(
-        client_embeddings(spec, frozen, p, q, public["image"], public["caption"], meth.client_scale)
-      )
-    if cream:
-      # A single-modality client sends nothing for the modality it does not hold.
-      out["public"] = jnp.where(md[:, None, None], out["public"], 0.0)
-    return out
-
-  reports = jax.vmap(report)(new_global, new_personal, c_arrays, c_mask, c_mod)
+  reports = _client_reports(
+    spec,
+    frozen,
+    meth,
+    state.prototypes,
+    (new_global, new_personal, c_arrays, c_mask, c_mod),
+    mfcpl=mfcpl,
+    mekt=mekt,
+    cream=cream,
+    public=public,
+  )
   # What the server receives: the trained adapters + heads, or, with faults, the
   # dropped clients' start (weight 0 below) and the Byzantine clients' corrupted updates;
   # ``arrived``: the sampled clients whose reports reach it (all of them without faults).
@@ -1147,32 +1144,9 @@ def round_step(
     any_arrived = jnp.any(arrived)
     routed = routed & any_arrived
 
-  def router_objective(trained):
-    # The placeholder reaches L_R through eq. (9)'s d_k (filled slots are masked out of
-    # the attention and of L_pc); gamma_k uses its value at the start of the round.
-    return S.router_loss(
-      trained["router"],
-      fill(trained["placeholder"]),
-      gamma,
-      c_mod,
-      loss,
-      arrived,
-      state.prototypes,
-      heads=spec.router_heads,
-      betas=spec.betas,
-      beta_4=spec.beta_4,
-      beta_5=spec.beta_5,
-    )
-
-  trained = {"router": state.router, "placeholder": state.placeholder}
-  (r_loss, w_router), r_grads = jax.value_and_grad(router_objective, has_aux=True)(trained)
-  r_updates, r_opt = optax.adam(spec.router_lr).update(r_grads, state.router_opt, trained)
-  stepped = optax.apply_updates(trained, r_updates)
-  router = jax.tree.map(
-    lambda new, old: jnp.where(routed, new, old), stepped["router"], state.router
+  (router, placeholder, router_opt), r_loss, w_router = _router_step(
+    spec, state, fill, gamma, c_mod, loss, arrived, routed, meth.placeholder_fill
   )
-  placeholder = jnp.where(routed & meth.placeholder_fill, stepped["placeholder"], state.placeholder)
-  router_opt = jax.tree.map(lambda new, old: jnp.where(routed, new, old), r_opt, state.router_opt)
   w_r = jnp.where(routed, w_router, w_data)
   # Line 15: the q game over all N clients (RCSR), eq. (11) fused weights.
   full = lambda x: jnp.zeros((n,), x.dtype).at[idx].set(x)
@@ -1265,6 +1239,168 @@ def round_step(
       "steps": nan(stats["steps"]),
     }
   return new_state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class RcsrRound:
+  """:func:`round_step` with the static switches bound and the method read from the state.
+
+  ``round(state, data) -> (state, metrics)``, ``data`` a dict of ``frozen``, ``train``
+  (:func:`round_step`'s ``arrays``), ``mask``, ``modality`` and, for FedMEKT and CreamFL,
+  ``public`` (other keys are ignored). The traced :class:`Method` is ``state.method``
+  (:func:`init` stores it), an input of the program, not a constant: rounds are compared
+  and hashed by value, so methods with the same static switches (all but MOON, FedPer,
+  MFCPL, FedMEKT and CreamFL) share one compile when the round is a static argument of
+  ``jax.jit``.
+  """
+
+  spec: RcsrDef
+  moon: bool = False
+  fedper: bool = False
+  mfcpl: bool = False
+  mekt: bool = False
+  cream: bool = False
+  faults: faults_lib.Faults = faults_lib.NONE
+
+  def __call__(self, state: RcsrState, data: dict[str, Any]) -> tuple[RcsrState, dict[str, Array]]:
+    return round_step(
+      self.spec,
+      data["frozen"],
+      state.method,
+      state,
+      data["train"],
+      data["mask"],
+      data["modality"],
+      moon=self.moon,
+      fedper=self.fedper,
+      mfcpl=self.mfcpl,
+      mekt=self.mekt,
+      cream=self.cream,
+      public=data.get("public"),
+      faults=self.faults,
+    )
+
+
+def algorithm(
+  spec: RcsrDef,
+  name: str,
+  meth: Method | None = None,
+  *,
+  faults: faults_lib.Faults = faults_lib.NONE,
+) -> Algorithm:
+  """Method ``name`` of :data:`METHODS` as an :class:`~fedjax_mm.algorithms.base.Algorithm`.
+
+  Args:
+    spec: static settings.
+    name: the method; it sets the static switches of the round (:func:`round_flags`).
+    meth: its traced switches and weights (default ``method(name)``).
+    faults: static; the simulated client faults (module docstring, "Client faults").
+
+  Returns:
+    ``init(global_params, personal, frozen, arrays, sample_mask, modality, key, *,
+    public=None) -> RcsrState``: :func:`init` with ``meth`` stored in ``state.method``;
+    ``round(state, data) -> (state, metrics)``: :class:`RcsrRound`, which runs
+    :func:`round_step` with the method of ``state.method``.
+  """
+  meth = method(name) if meth is None else meth
+
+  def init_fn(global_params, personal, frozen, arrays, sample_mask, modality, key, *, public=None):
+    return init(
+      spec, global_params, personal, frozen, arrays, sample_mask, modality, key, meth, public=public
+    )
+
+  return Algorithm(init=init_fn, round=RcsrRound(spec, **round_flags(name), faults=faults))
+
+
+def _client_reports(
+  spec: RcsrDef,
+  frozen: PyTree,
+  meth: Method,
+  prototypes: Array,
+  clients: tuple[PyTree, PyTree, dict[str, Array], Array, Array],
+  *,
+  mfcpl: bool,
+  mekt: bool,
+  cream: bool,
+  public: dict[str, Array] | None,
+) -> dict[str, Any]:
+  """What the ``[m]`` sampled clients report after training (one vmap over them).
+
+  ``clients``: their trained ``(global params, personal, arrays, sample_mask, modality)``.
+  Returns ``prototypes`` (eq. (6)'s ``[m, 2, d]``; the missing slot holds ``prototypes``,
+  the server's EMA), with ``mfcpl`` MFCPL's ``classes`` (:func:`_class_report`), with
+  ``mekt`` / ``cream`` the ``public`` set's embeddings ``[m, 2, P, d]`` (CreamFL's zero
+  where the client does not hold the modality: it sends nothing for it).
+  """
+
+  def report(p, q, a, mk, md):
+    z_i, z_t = client_embeddings(
+      spec, frozen, p, q, a["image"], a["caption"][:, 0], meth.client_scale
+    )
+    out = {"prototypes": _reported(z_i, z_t, mk, md, prototypes)}
+    if mfcpl:
+      out["classes"] = _class_report(spec, z_i, z_t, a["label"], mk, md)
+    if mekt or cream:
+      out["public"] = jnp.stack(
+        client_embeddings(spec, frozen, p, q, public["image"], public["caption"], meth.client_scale)
+      )
+    if cream:
+      # A single-modality client sends nothing for the modality it does not hold.
+      out["public"] = jnp.where(md[:, None, None], out["public"], 0.0)
+    return out
+
+  return jax.vmap(report)(*clients)
+
+
+def _router_step(
+  spec: RcsrDef,
+  state: RcsrState,
+  fill,
+  gamma: Array,
+  modality: Array,
+  loss: Array,
+  arrived: Array,
+  routed: Array,
+  placeholder_on: Array,
+) -> tuple[tuple[PyTree, Array, PyTree], Array, Array]:
+  """Lines 10-11: one Adam step of the router (and C.4's placeholder) on L_R.
+
+  ``fill(placeholder)``: the sampled clients' ``s_k`` prototypes with the missing slot
+  filled; ``gamma``, ``modality``, ``loss``, ``arrived``: theirs (``[m, ...]``). The step
+  is kept where ``routed`` (the placeholder's also needs ``placeholder_on``); elsewhere
+  the router, its optimiser and the placeholder stay as in ``state``.
+
+  Returns:
+    ``((router, placeholder, router_opt), L_R, w^R [m])``.
+  """
+
+  def router_objective(trained):
+    # The placeholder reaches L_R through eq. (9)'s d_k (filled slots are masked out of
+    # the attention and of L_pc); gamma_k uses its value at the start of the round.
+    return S.router_loss(
+      trained["router"],
+      fill(trained["placeholder"]),
+      gamma,
+      modality,
+      loss,
+      arrived,
+      state.prototypes,
+      heads=spec.router_heads,
+      betas=spec.betas,
+      beta_4=spec.beta_4,
+      beta_5=spec.beta_5,
+    )
+
+  trained = {"router": state.router, "placeholder": state.placeholder}
+  (r_loss, w_router), r_grads = jax.value_and_grad(router_objective, has_aux=True)(trained)
+  r_updates, r_opt = optax.adam(spec.router_lr).update(r_grads, state.router_opt, trained)
+  stepped = optax.apply_updates(trained, r_updates)
+  router = jax.tree.map(
+    lambda new, old: jnp.where(routed, new, old), stepped["router"], state.router
+  )
+  placeholder = jnp.where(routed & placeholder_on, stepped["placeholder"], state.placeholder)
+  router_opt = jax.tree.map(lambda new, old: jnp.where(routed, new, old), r_opt, state.router_opt)
+  return (router, placeholder, router_opt), r_loss, w_router
 
 
 def _byzantine_reports(

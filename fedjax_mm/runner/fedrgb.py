@@ -285,7 +285,9 @@ def build(config) -> dict[str, Any]:
       faults=faults,
     )
     algorithms[m] = a
-    states[m] = a.init(base_state.rng, base_state.encoder, base_state.aligner, k, dec_params)
+    states[m] = a.algorithm.init(
+      base_state.rng, base_state.encoder, base_state.aligner, k, dec_params
+    )
   return {
     "base": base,
     "base_state": base_state,
@@ -335,7 +337,7 @@ def experiment(config) -> loop.Experiment:
   # Each method's loop state is {"rgb": RgbState, "row": its index in ``methods``}: the row
   # tells evaluate which algorithm's client update retrains it (distortion).
   def round_and_check(a, s, train, mask):
-    rgb, out = a.round(s["rgb"], train, mask)
+    rgb, out = a.algorithm.round(s["rgb"], train, mask)
     leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}

@@ -28,7 +28,6 @@ no upload.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -251,7 +250,11 @@ def experiment(config) -> loop.Experiment:
     )
     for m in methods
   }
-  init = jax.jit(functools.partial(alg.init, spec))
+  faults = validation.check_faults(config)  # static: the round closes over it
+  algs = {m: alg.algorithm(spec, m, meths[m], faults=faults) for m in methods}
+  # Every method's initial state is the same but for its switches (state.method, set per
+  # run below): one init for all of them.
+  init = jax.jit(algs[methods[0]].init)
   state0 = init(
     setup["glob"],
     setup["personal"],
@@ -268,7 +271,6 @@ def experiment(config) -> loop.Experiment:
   # of the round is replicated.
   mesh = core.job_mesh(validation.check_devices(config))
   devices = mesh.size  # Every process's devices, in a job of several.
-  faults = validation.check_faults(config)  # static: the round closes over it
   # The round and the evaluation take the data and the frozen encoders as arguments: closed
   # over, each would be a constant of the compiled program (a copy for XLA to fold at compile
   # time, and in every entry of the compilation cache).
@@ -278,42 +280,27 @@ def experiment(config) -> loop.Experiment:
     state0 = core.replicate(state0, mesh)
     data = core.replicate(data, mesh)
 
-  def round_and_check(meth, s, d, moon=False, fedper=False, mfcpl=False, mekt=False, cream=False):
-    s, out = alg.round_step(
-      spec,
-      d["frozen"],
-      meth,
-      s,
-      d["train"],
-      d["mask"],
-      d["modality"],
-      moon=moon,
-      fedper=fedper,
-      mfcpl=mfcpl,
-      mekt=mekt,
-      cream=cream,
-      public=d["public"],
-      faults=faults,
-    )
+  def round_and_check(round_fn, s, d):
+    s, out = round_fn(s, d)
     leaves = jax.tree.leaves(s.params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return s, out | {"finite": finite}
 
-  # One compiled round for every method (the method is a traced argument); MOON, which
-  # also runs its clients' previous local models, FedPer, whose clients start from
-  # their own, MFCPL (class prototypes), FedMEKT (the proxy set) and CreamFL (the public
-  # set's representations) have their own.
+  # One compiled round for every method (the method is a traced argument, state.method;
+  # equal rounds, alg.RcsrRound, share a compile); MOON, which also runs its clients'
+  # previous local models, FedPer, whose clients start from their own, MFCPL (class
+  # prototypes), FedMEKT (the proxy set) and CreamFL (the public set's representations)
+  # have their own.
   round_jit = jax.jit(
     traced_in(mesh, round_and_check),  # on one device too: "auto" is that device's loop
     donate_argnums=1,
-    static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
+    static_argnums=0,
     # On several devices the state stays replicated from round to round.
     **({} if devices == 1 else {"out_shardings": (replicated(mesh), None)}),
   )
 
   def step(m):
-    flags = alg.round_flags(m)
-    return lambda s: round_jit(meths[m], s, data, **flags)
+    return lambda s: round_jit(algs[m].round, s, data)
 
   @jax.jit
   def evaluate_jit(s, test, g, frozen):
