@@ -130,7 +130,7 @@ def test_smoke_run_resume_and_refusal(tmp_path, compilation_cache, capsys):
   result = runner.run(config, workdir, progress=False)
   out = capsys.readouterr().out
   assert "| CreamFL+Muscle" in out and "| local" in out and "R@1_sum" in out and "3 test:" in out
-  assert "VQA (Table 2 analogue)" in out
+  assert "Table 2 analogue (VQA accuracy %)" in out
   for name in ("config.json", "metrics.jsonl", "report.md", "curves.png", "results.json"):
     assert (workdir / name).exists(), name
   stored = json.loads((workdir / "results.json").read_text())

@@ -344,7 +344,7 @@ def test_report_has_a_column_and_a_delta_per_method():
     {m: flatten(f) for m, f in report.final.items()},
     {"trivial": flatten(report.baselines["trivial"])},
   )
-  assert "| FedMuscle (muscle) |" in table and "| trivial " in table
+  assert "\n| FedMuscle (muscle) " in table and "\n| trivial " in table
   assert f"{100 * deltas['feddf']:+.1f} |" in table.split("| FedDF ")[1].split("\n")[0]
 
 

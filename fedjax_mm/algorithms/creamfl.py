@@ -139,6 +139,7 @@ from fedjax_mm.core.client import (
   ClientData,
   ClientState,
   GroupDef,
+  all_finite,
   apply_in_batches,
   client_uniform,
   finite_per_client,
@@ -857,11 +858,6 @@ def _split(flat: Array, sizes: Sequence[int]) -> list[Array]:
   return out
 
 
-def _all_finite(tree: PyTree) -> Array:
-  """Scalar: every leaf of an unstacked pytree (the server's parameters) is finite."""
-  return finite_per_client(jax.tree.map(lambda x: x[None], tree))[0]
-
-
 def client_update(
   client: ClientGroup,
   state: ClientState,
@@ -1116,7 +1112,7 @@ def creamfl(
     )
     stats["kd_loss"] = kd_stats["loss"]
     state = state.replace(server_params=params, server_opt=opt, server_rng=rng)
-    stats["server_finite"] = _all_finite(state.server_params)
+    stats["server_finite"] = all_finite(state.server_params)
     stats["client_finite"] = tuple(finite_per_client(g.params) for g in state.groups)
     return state.replace(round=state.round + 1), stats
 
@@ -1136,6 +1132,6 @@ def server_only(server: ServerDef, config: CreamConfig) -> Algorithm:
   def round_fn(state: CreamState, public: dict[str, Array]):
     state, loss = _server_retrieval_epoch(server, config, state, public)
     state = state.replace(round=state.round + 1)
-    return state, {"server_loss": loss, "server_finite": _all_finite(state.server_params)}
+    return state, {"server_loss": loss, "server_finite": all_finite(state.server_params)}
 
   return Algorithm(init=init, round=round_fn)

@@ -52,7 +52,13 @@ import jax.numpy as jnp
 
 from fedjax_mm.algorithms import creamfl
 from fedjax_mm.algorithms.base import Algorithm
-from fedjax_mm.core.client import ClientData, ClientState, finite_per_client, train_group
+from fedjax_mm.core.client import (
+  ClientData,
+  ClientState,
+  all_finite,
+  finite_per_client,
+  train_group,
+)
 from fedjax_mm.server import aggregate
 
 Array = jax.Array
@@ -190,7 +196,7 @@ def fedavg_towers(clients: Sequence[creamfl.ClientGroup], config: creamfl.CreamC
       "active": tuple(active),
       "client_loss": tuple(client_losses),
       "received": received,
-      "server_finite": creamfl._all_finite(server_params),
+      "server_finite": all_finite(server_params),
       "client_finite": tuple(finite_per_client(g.params) for g in state.groups),
     }
     return state.replace(round=state.round + 1), stats

@@ -616,6 +616,15 @@ def train_group(
   return state.replace(params=params, opt_state=opt_state, rng=rng), stats
 
 
+def all_finite(tree: PyTree) -> Array:
+  """Scalar ``bool``: every leaf of a pytree is finite (NaN/Inf guard of a server's state).
+
+  The runners' one guard with :func:`finite_per_client`: whatever produced the
+  non-finite value is named before the state is checkpointed.
+  """
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def finite_per_client(stacked: PyTree) -> Array:
   """``bool [K]``: every leaf of each client's slice of a stacked pytree is finite.
 

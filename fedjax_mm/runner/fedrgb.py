@@ -338,8 +338,7 @@ def experiment(config) -> loop.Experiment:
   # tells evaluate which algorithm's client update retrains it (distortion).
   def round_and_check(a, s, train, mask):
     rgb, out = a.algorithm.round(s["rgb"], train, mask)
-    leaves = jax.tree.leaves((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    finite = core.all_finite((rgb.encoder, rgb.aligner, rgb.teacher, rgb.weights))
     return {"rgb": rgb, "row": s["row"]}, out | {"finite": finite}
 
   def jitted_round(m):

@@ -143,7 +143,8 @@ class Report(NamedTuple):
     sections: ``(heading, markdown body)`` pairs of ``report.md``.
     plots: PNG file name in the workdir -> its curves.
     results: written to ``results.json`` (indent 2) and returned by :func:`run`.
-    text: printed at the end, after a blank line and the result tables.
+    text: printed at the end, after a blank line, the result tables and the
+      system's extra sections (:attr:`System.sections`).
     final: method -> its metrics as the system's result tables
       (:attr:`System.tables`) read them, nested (flattened to their column keys by
       :func:`~fedjax_mm.runner.report.flatten`).
@@ -399,7 +400,8 @@ def run(
     if system is not None:  # Named first, so a reader (experiments/summarize.py) needs no guess.
       results = {"system": system.name, **results}
     report_lib.write_text(workdir / "results.json", json.dumps(results, indent=2))
-    print("\n" + "\n\n".join([*(f"{t}:\n{b}" for t, b in rendered), report.text]))
+    shown = [*rendered, *extra]  # the result tables and the system's extra sections
+    print("\n" + "\n\n".join([*(f"{t}:\n{b}" for t, b in shown), report.text]))
     return results
 
 

@@ -282,8 +282,7 @@ def experiment(config) -> loop.Experiment:
 
   def round_and_check(round_fn, s, d):
     s, out = round_fn(s, d)
-    leaves = jax.tree.leaves(s.params)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    finite = core.all_finite(s.params)
     return s, out | {"finite": finite}
 
   # One compiled round for every method (the method is a traced argument, state.method;
