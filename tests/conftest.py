@@ -90,6 +90,7 @@ SLOW_TESTS = (
   "test_fedscmr_run.py::test_devices_spread_the_clients_and_change_no_result",
   "test_models_hf_segformer.py::test_zoo_segmentation_user_trains_only_adapters_and_heads",
   "test_pretrained.py::test_pretraining_resumes_from_the_last_epoch_bit_for_bit",
+  "test_pretrained.py::test_distillation_acts_trains_the_teacher_first_and_resumes_bit_for_bit",
   "test_pretrained.py::test_pretrain_smoke_run_writes_folders_that_reproduce_their_quality",
   "test_pretrained.py::test_shipped_feature_stats_are_the_pretraining_datas",
   "test_pretrained.py::test_shipped_pair_reproduces_its_recorded_quality",
