@@ -95,6 +95,12 @@ SLOW_TESTS = (
   "test_pretrained.py::test_shipped_feature_stats_are_the_pretraining_datas",
   "test_pretrained.py::test_shipped_pair_reproduces_its_recorded_quality",
   "test_algorithm_interface.py::test_rcsr_round_through_the_interface_is_round_step",
+  "test_algorithm_interface.py::test_fedrgb_round_through_the_interface_is_the_direct_call",
+  "test_fedrgb_eval.py::test_distortion_entries_match_a_direct_computation",
+  "test_fedrgb_eval.py::test_decoder_on_the_frozen_tower_segments_a_bright_square_beyond_all_positive",
+  "test_pretrained.py::test_pretraining_is_deterministic",
+  "test_runner_faults.py::test_a_nan_before_the_first_checkpoint_says_so",
+  "test_runner_faults.py::test_every_runner_refuses_a_workdir_in_use_and_touches_nothing",
   "test_rcsr.py::test_router_loss_has_no_gradient_into_prototypes_targets",
   "test_rcsr_run.py::test_devices_split_the_sampled_clients_and_change_no_result",
 )
