@@ -48,16 +48,18 @@ class Interval(NamedTuple):
   def half_width(self) -> float:
     return (self.high - self.low) / 2
 
-  def format(self, digits: int = 2, *, signed: bool = True) -> str:
-    """``"+1.90 [+0.73, +3.07] (n=5)"``; ``"+1.90 (n=1)"`` without spread."""
+  def format(self, digits: int = 2, *, signed: bool = True, count: bool = True) -> str:
+    """``"+1.90 [+0.71, +3.09] (n=5)"``; ``"+1.90 (n=1)"`` without spread; ``count=False``
+    leaves ``(n=...)`` out (a table's cell, its seeds said once above)."""
 
     def f(x: float) -> str:
       x = 0.0 if round(x, digits) == 0 else x  # never "-0.00"
       return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
 
+    n = f" (n={self.n})" if count else ""
     if math.isnan(self.low):
-      return f"{f(self.mean)} (n={self.n})"
-    return f"{f(self.mean)} [{f(self.low)}, {f(self.high)}] (n={self.n})"
+      return f"{f(self.mean)}{n}"
+    return f"{f(self.mean)} [{f(self.low)}, {f(self.high)}]{n}"
 
   def __str__(self) -> str:
     return self.format()

@@ -394,19 +394,25 @@ class Table(NamedTuple):
     def cell(column, got):
       if got is None:
         return ""
-      if not several or not np.all(np.isfinite(got)):
-        return column.text(got[0]) if not several else "nan"
+      if not several:
+        return column.text(got[0])
+      if not np.all(np.isfinite(got)):
+        return "nan"
       i = seeds.interval(got)
       if column.format is not None or i.n == 1:
         return column.text(i.mean)
       return f"{column.text(i.mean)} ± {i.half_width:.{column.digits}f}"
 
-    def diff(column, a, b):
+    def paired(a, b):  # the seeds' paired difference; None when a side is missing or NaN
       if a is None or b is None or not np.all(np.isfinite([*a, *b])):
+        return None
+      return seeds.paired_difference(a, b)
+
+    def diff(column, a, b):
+      d = paired(a, b)
+      if d is None:
         return "" if a is None or b is None else "nan"
-      d = seeds.paired_difference(a, b)
-      f = lambda x: f"{x:+.{column.digits}f}"
-      return f"{f(d.mean)} [{f(d.low)}, {f(d.high)}]" if d.n > 1 else f(d.mean)
+      return d.format(column.digits, count=False)
 
     rows = []
     for lead, prefix in self.groups or [((), "")]:
@@ -417,10 +423,8 @@ class Table(NamedTuple):
         for c in self.columns:
           a, b = (values(finals, x, prefix + c.key) for x in (reference, other))
           cells.append(diff(c, a, b))
-        a, b = (values(finals, x, prefix + head.key) for x in (reference, other))
-        verdict = ""
-        if diff(head, a, b) not in ("", "nan"):
-          verdict = seeds.verdict(seeds.paired_difference(a, b), 1 if head.higher else -1)
+        d = paired(*(values(finals, x, prefix + head.key) for x in (reference, other)))
+        verdict = "" if d is None else seeds.verdict(d, 1 if head.higher else -1)
         rows.append([*lead, f"{reference} - {other} (paired)", *cells, verdict])
       for name in self.baselines:
         got = [values(baselines, name, prefix + c.key) for c in self.columns]
