@@ -76,6 +76,7 @@ SLOW_FILES = (
 #: whole rounds compared across device counts or paddings, pretraining runs.
 SLOW_TESTS = (
   "test_cost.py::test_method_costs_split_users_and_server",
+  "test_core_features.py::test_a_round_on_cached_features_is_the_raw_round",
   "test_creamfl_run.py::test_padding_clients_change_no_draw_and_no_result",
   "test_creamfl_run.py::test_padding_clients_change_no_fedavg_tower",
   "test_creamfl_fedavg.py::test_round_averages_the_trained_towers_with_the_iot_factor",

@@ -197,3 +197,12 @@ def test_recall_times_the_library_kernel_against_its_predecessors():
   for *_, differ, queries in rows:
     # Same dot products in another order: at most a near-tie or two may fall the other way.
     assert int(queries) in (192, 200) and int(differ) <= 2
+
+
+def test_feature_cache_prints_both_variants_their_ratio_and_their_agreement():
+  out = _run("feature_cache", "--config=experiments/fedmuscle.py:smoke", "--rounds=1")
+  assert "every encoder every step" in out and "frozen features cached" in out
+  assert re.search(r"uncached / cached: \d+\.\d\dx", out)
+  # The smoke users' cached round computes what the raw one computes (float32 rounding).
+  diff = float(re.search(r"difference after 2 rounds: (\S+) points", out).group(1))
+  assert diff < 1e-3

@@ -15,7 +15,8 @@ import jax
 from flax import struct
 from jax.sharding import Mesh
 
-from fedjax_mm.core.client import ClientState
+from fedjax_mm.core import features
+from fedjax_mm.core.client import ClientState, GroupDef
 from fedjax_mm.core.sharding import replicate
 
 
@@ -55,6 +56,15 @@ def classes_of(keys: Sequence[Hashable]) -> tuple[int, ...]:
   """
   ids: dict[Hashable, int] = {}
   return tuple(ids.setdefault(k, len(ids)) for k in keys)
+
+
+def task_classes(groups: Sequence[GroupDef]) -> tuple[int, ...]:
+  """A class id per group: groups that solve one task share it.
+
+  The task as its raw group states it (:func:`fedjax_mm.core.features.source_task`):
+  a group that reads its frozen encoder's cached features solves its images' task.
+  """
+  return classes_of(features.source_task(g.task) for g in groups)
 
 
 def check_same_shapes(states: Sequence[ClientState], classes: Sequence[int]) -> None:

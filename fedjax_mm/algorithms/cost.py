@@ -79,7 +79,7 @@ from fedjax_mm.algorithms import (
   sage,
   simclr,
 )
-from fedjax_mm.algorithms.base import classes_of
+from fedjax_mm.algorithms.base import classes_of, task_classes
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, supervised_objective
 from fedjax_mm.core.cost import flops
 from fedjax_mm.server import cofed as cofed_server
@@ -182,7 +182,7 @@ def _average_flops(states: Sequence[ClientState], fusion: Sequence[int]) -> floa
 
 
 def _feddf_server(config, groups, states, public, fusion, num_batches) -> float:
-  tasks = classes_of(g.task for g in groups)
+  tasks = task_classes(groups)
   batch = jax.tree.map(lambda x: x[: config.batch_size], public)
   total = 0.0
   for g, (group, state) in enumerate(zip(groups, states, strict=True)):
@@ -230,7 +230,7 @@ def method_costs(
   mc = fedmuscle.MuscleConfig(**config.muscle.to_dict())
   block = config.get("baselines") or {}
   kw = lambda name: dict(block[name].to_dict()) if name in block else {}
-  fusion = classes_of(zip(classes_of(g.task for g in groups), architectures, strict=True))
+  fusion = classes_of(zip(task_classes(groups), architectures, strict=True))
   num_public = jax.tree.leaves(public)[0].shape[0]
   steps = [local_steps(g, d) for g, d in zip(groups, train_data, strict=True)]
 
@@ -252,7 +252,7 @@ def method_costs(
       cfg = sage.SageConfig(batch_size=mc.batch_size, epochs=mc.cl_epochs, **kw("sage"))
       batches = cfg.epochs * (num_public // cfg.batch_size)
       ssl = _sage_users(cfg, groups, states, public, batches)
-      tasks = classes_of(g.task for g in groups)
+      tasks = task_classes(groups)
       out[m] = MethodCost(
         tuple(a + b for a, b in zip(supervised(), ssl, strict=True)),
         _sage_server(states, train_data, tasks, architectures, num_public),

@@ -60,7 +60,13 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_mm import losses, server
-from fedjax_mm.algorithms.base import Algorithm, FederatedState, check_same_shapes, classes_of
+from fedjax_mm.algorithms.base import (
+  Algorithm,
+  FederatedState,
+  check_same_shapes,
+  classes_of,
+  task_classes,
+)
 from fedjax_mm.algorithms.fedmuscle import public_epochs
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 
@@ -108,7 +114,7 @@ def feddf(
       architecture are averaged together.
   """
   groups = tuple(groups)
-  tasks = classes_of(g.task for g in groups)
+  tasks = task_classes(groups)
   fusion = classes_of(zip(tasks, architectures, strict=True))
   members = {t: [g for g, tg in enumerate(tasks) if tg == t] for t in dict.fromkeys(tasks)}
 

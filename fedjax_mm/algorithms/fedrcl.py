@@ -47,7 +47,13 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_mm import losses, server
-from fedjax_mm.algorithms.base import Algorithm, FederatedState, check_same_shapes, classes_of
+from fedjax_mm.algorithms.base import (
+  Algorithm,
+  FederatedState,
+  check_same_shapes,
+  classes_of,
+  task_classes,
+)
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
 from fedjax_mm.core.tasks import Task, masked_mean
 
@@ -131,7 +137,7 @@ def fedrcl(
       groups with the same task and architecture are averaged together.
   """
   groups = tuple(groups)
-  tasks = classes_of(g.task for g in groups)
+  tasks = task_classes(groups)
   fusion = classes_of(zip(tasks, architectures, strict=True))
 
   objective_fn = functools.partial(rcl_objective, config)

@@ -92,7 +92,7 @@ import optax
 
 from fedjax_mm import losses, server
 from fedjax_mm.algorithms import simclr
-from fedjax_mm.algorithms.base import Algorithm, check_same_shapes, classes_of
+from fedjax_mm.algorithms.base import Algorithm, check_same_shapes, classes_of, task_classes
 from fedjax_mm.algorithms.fedmuscle import FedMuscleState, public_epochs
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, train_group
@@ -240,7 +240,7 @@ def sage(
       parameter, groups of one task their heads.
   """
   groups = tuple(groups)
-  tasks = classes_of(g.task for g in groups)
+  tasks = task_classes(groups)
   fusion = classes_of(zip(tasks, architectures, strict=True))
   objectives = tuple(unlabeled_objective(g, config) for g in groups)
 

@@ -13,6 +13,13 @@ model ``w^n`` and a task head::
 :meth:`UserModel.forward` returns ``(z, y)`` from one encoder pass, which is
 what a local step that mixes a task loss and a contrastive loss needs.
 
+A model whose encoder is frozen (a CNN fine-tuned with "adapters", which has
+no dense layers for LoRA) computes the same pooled features of a sample at
+every step. With ``pooled_input=True`` it reads those features ``[b, h]`` in
+place of the raw input and skips the encoder
+(:mod:`fedjax_mm.core.features` computes them once per set); its parameters
+are the same, only the graph's static flag differs.
+
 The three attribute names ``encoder``, ``projector`` and ``head`` are part of
 the contract: the engine selects parameters by path with
 :data:`representation_filter` (encoder + projector, for contrastive epochs)
@@ -93,6 +100,10 @@ class UserModel(nnx.Module):
     modality: ``"image"`` or ``"text"``.
     standardize: optional :class:`Standardize` applied to the pooled features
       before the projector (the segmentation head's feature map is left as is).
+    pooled_input: the model reads the encoder's pooled features ``[b, h]``
+      (computed beforehand by :meth:`pooled`) instead of raw inputs, and never
+      runs its encoder; a segmentation head, which reads the encoder's feature
+      map, cannot.
   """
 
   def __init__(
@@ -103,6 +114,7 @@ class UserModel(nnx.Module):
     *,
     modality: str,
     standardize: Standardize | None = None,
+    pooled_input: bool = False,
   ):
     if modality not in ("image", "text"):
       raise ValueError(f"modality must be 'image' or 'text', got {modality!r}.")
@@ -117,6 +129,28 @@ class UserModel(nnx.Module):
     self.projector = projector
     self.head = head
     self.modality = modality
+    self.pooled_input = False
+    if pooled_input:
+      self.read_pooled()
+
+  def read_pooled(self) -> None:
+    """From now on the model reads pooled encoder features, not raw inputs (see the class)."""
+    if self.head.reads == "spatial":
+      raise ValueError("a segmentation head reads the encoder's feature map: it needs raw inputs.")
+    self.pooled_input = True
+
+  def pooled(self, x: jax.Array) -> jax.Array:
+    """The encoder's pooled features ``[b, h]`` of raw inputs (before ``standardize``)."""
+    return self.encoder(x)[0]
+
+  def _encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    if self.pooled_input:
+      if x.shape[-1:] != (self.encoder.features,) or x.ndim != 2:
+        raise ValueError(
+          f"this model reads pooled features [b, {self.encoder.features}], got {x.shape}."
+        )
+      return x, None
+    return self.encoder(x)
 
   @property
   def rep_dim(self) -> int:
@@ -132,17 +166,17 @@ class UserModel(nnx.Module):
 
   def represent(self, x: jax.Array) -> jax.Array:
     """L2-normalised representations ``z [b, d]`` of inputs ``x``."""
-    pooled, _ = self.encoder(x)
+    pooled, _ = self._encode(x)
     return l2_normalize(self.projector(self._pooled(pooled)))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Task outputs: logits ``[b, C]`` or per-pixel logits ``[b, H, W, C]``."""
-    pooled, spatial = self.encoder(x)
+    pooled, spatial = self._encode(x)
     p = None if self.head.reads == "spatial" else self.projector(self._pooled(pooled))
     return self._head(p, spatial, x)
 
   def forward(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(z, outputs)`` = (:meth:`represent`, :meth:`__call__`) with one encoder pass."""
-    pooled, spatial = self.encoder(x)
+    pooled, spatial = self._encode(x)
     p = self.projector(self._pooled(pooled))
     return l2_normalize(p), self._head(p, spatial, x)

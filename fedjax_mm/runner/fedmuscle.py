@@ -52,6 +52,7 @@ from fedjax_mm.algorithms import (
   simclr,
 )
 from fedjax_mm.algorithms import cost as cost_lib
+from fedjax_mm.core import features as core_features
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.runner import fedmuscle_report, loop, validation
 from fedjax_mm.runner.errors import ConfigError
@@ -135,6 +136,8 @@ def validate(config) -> tuple[User, ...]:
     )
   if config.rounds < 1:
     raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
+  if not isinstance(config.get("cache_features", True), bool):
+    raise ConfigError(f"cache_features must be True or False, got {config.cache_features!r}.")
   if not isinstance(config.lora_rank, int) or config.lora_rank < 0:
     raise ConfigError(f"lora_rank must be an int >= 0, got {config.lora_rank!r}.")
   for u in users:
@@ -233,8 +236,18 @@ def _bytes_per_round(config, num_batches: int) -> dict[str, int]:
   return out
 
 
-def algorithms(config, users, groups) -> dict[str, Any]:
-  """Every method of ``config.methods`` built on the users' groups, in report order."""
+#: Methods that transform a user's raw inputs (augmented views), so they run on the raw
+#: groups even where a frozen encoder's features are cached (:func:`experiment`).
+RAW_INPUT_METHODS = ("sage", "simclr")
+
+
+def algorithms(config, users, groups, raw_groups=None) -> dict[str, Any]:
+  """Every method of ``config.methods`` built on the users' groups, in report order.
+
+  ``raw_groups`` (default ``groups``) are the groups that read raw inputs, for the
+  methods of :data:`RAW_INPUT_METHODS`; ``groups`` may read cached features.
+  """
+  raw = groups if raw_groups is None else raw_groups
   mc = _muscle_config(config)
   # Averaging needs the same architecture: the full model config (encoder, head, LoRA rank,
   # checkpoint) and what trains, so two users average only when their parameter trees are
@@ -243,7 +256,7 @@ def algorithms(config, users, groups) -> dict[str, Any]:
   make = {
     "fedmuscle": lambda: fedmuscle.fedmuscle(groups, mc, faults=validation.check_faults(config)),
     "sage": lambda: sage.sage(
-      groups,
+      raw,
       sage.SageConfig(
         batch_size=mc.batch_size, epochs=mc.cl_epochs, **_baseline_config(config, "sage")
       ),
@@ -267,7 +280,7 @@ def algorithms(config, users, groups) -> dict[str, Any]:
       groups, fedrcl.FedRCLConfig(**_baseline_config(config, "fedrcl")), architectures=archs
     ),
     "simclr": lambda: simclr.simclr(
-      groups,
+      raw,
       simclr.SimCLRConfig(
         batch_size=mc.batch_size, cl_epochs=mc.cl_epochs, **_baseline_config(config, "simclr")
       ),
@@ -355,11 +368,33 @@ def experiment(config) -> loop.Experiment:
   method's Delta against local training is logged; each method's bytes go to
   its own ledger (FedMuscle: the downlink that ran; the baselines:
   :func:`_baseline_bytes`).
+
+  With ``config.cache_features`` (the default) a user whose encoder trains nothing
+  (a pretrained CNN under "adapters") reads its encoder's pooled features, computed
+  once per set (:mod:`fedjax_mm.core.features`): the same parameters and draws, the
+  same numbers up to float32 rounding, and no encoder pass per step. The methods that
+  augment raw inputs (:data:`RAW_INPUT_METHODS`) keep the raw groups.
   """
   users, groups, states, train_data, test_data, public, trivial = build(config)  # Validates.
+  raw_groups = groups
+  costs = None
+  if config.get("count_flops", False):  # compiled once here, nothing trained
+    costs = cost_lib.method_costs(
+      config,
+      methods_of(config),
+      groups,
+      states,
+      train_data,
+      public,
+      architectures=tuple(_architecture(config, u) for u in users),
+    )
+  if config.get("cache_features", True):
+    groups, (train_data, test_data), public = core_features.cache_frozen_encoders(
+      groups, states, (train_data, test_data), public
+    )
   mc = _muscle_config(config)
   mesh = core.local_mesh()
-  algs = algorithms(config, users, groups)
+  algs = algorithms(config, users, groups, raw_groups)
   methods = tuple(algs)
   others = tuple(m for m in methods if m != "local")
   init_key = jax.random.fold_in(jax.random.key(config.seed), 10_000)
@@ -408,17 +443,6 @@ def experiment(config) -> loop.Experiment:
       "test_sizes": [int(np.asarray(d.num_samples)[0]) for d in test_data],
       "public_size": int(num_public),
     }
-  costs = None
-  if config.get("count_flops", False):  # compiled once here, nothing trained
-    costs = cost_lib.method_costs(
-      config,
-      methods,
-      groups,
-      states,
-      train_data,
-      public,
-      architectures=tuple(_architecture(config, u) for u in users),
-    )
   sent = _baseline_bytes(config, methods, users, states)
   sent["fedmuscle"] = (
     np.full(len(users), traffic["up"]),
