@@ -107,6 +107,18 @@ SLOW_TESTS = (
 )
 
 
+def pytest_configure(config):
+  """Keeps :data:`SLOW_FIRST`'s order under ``--dist loadfile``.
+
+  pytest-xdist (3.x) hands out a loadfile run's files sorted by their number of tests,
+  most first, unless told ``--no-loadscope-reorder``: the order sorted below was lost (the
+  parametrised validation files went first, test_rcsr_alg 30th of 73, and one-test e2e
+  files last), so a slow file could still run alone at the end.
+  """
+  if getattr(config.option, "loadscopereorder", None):
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
   """Marks the tiers and orders the collected tests by :data:`SLOW_FIRST`.
 

@@ -30,25 +30,18 @@ def setup():
 
 
 @pytest.fixture(scope="module")
-def update_fn(setup):
-  spec, glob, personal, frozen, arrays, mask, mod = setup
+def update_fn(setup, update_from):
+  """One client's update from the global model at lr 1e-2, s_k 0.3, personal on.
 
-  @jax.jit
+  :func:`update_from`'s program with these as its arguments: the same client update,
+  and one compile (about 12 s) for both fixtures instead of two.
+  """
+  glob = setup[1]
+
   def fn(meth, protos, k_personal, key, k_arrays, k_mask, k_mod):
-    return alg.client_update(
-      spec,
-      frozen,
-      meth,
-      glob,
-      protos,
-      jnp.asarray(1e-2),
-      jnp.asarray(True),
-      k_personal,
-      key,
-      k_arrays,
-      k_mask,
-      k_mod,
-      jnp.asarray(0.3),
+    lr, on, s_k = jnp.asarray(1e-2), jnp.asarray(True), jnp.asarray(0.3)
+    return update_from(
+      meth, glob, protos, lr, on, k_personal, key, k_arrays, k_mask, k_mod, s_k, {}
     )
 
   return fn
@@ -69,25 +62,40 @@ def state0(setup, public):
   return init(glob, personal, frozen, arrays, mask, mod, jax.random.key(2), public=public)
 
 
+#: round_step's static switches, each off (FedAvg's).
+FLAGS_OFF = alg.round_flags("fedavg")
+
+
 @pytest.fixture(scope="module")
 def step(setup):
-  """One jitted round for the module's tests (compiled once per ``moon`` value)."""
+  """One jitted round for the module's tests (compiled once per set of static switches).
+
+  Every switch is passed, off unless the call turns it on: jit keys its cache on the
+  keywords a call names, so ``step(...)`` and ``step(..., moon=False)`` would each trace
+  and compile the same round (about 10 s each).
+  """
   spec, frozen = setup[0], setup[3]
-  return jax.jit(
-    functools.partial(alg.round_step, spec, frozen),
-    static_argnames=("moon", "fedper", "mfcpl", "mekt", "cream"),
+  jitted = jax.jit(
+    functools.partial(alg.round_step, spec, frozen), static_argnames=tuple(FLAGS_OFF)
   )
+  return lambda *args, **kwargs: jitted(*args, **(FLAGS_OFF | kwargs))
 
 
 def _update(setup, fn, k, meth, protos):
   _, _, personal, _, arrays, mask, mod = setup
-  k_arrays = jax.tree.map(lambda x: x[k], arrays)
-  return fn(meth, protos, personal, jax.random.key(k), k_arrays, mask[k], mod[k])
+  k_arrays, k_mask, k_mod = _row((arrays, mask, mod), k)
+  return fn(meth, protos, personal, jax.random.key(k), k_arrays, k_mask, k_mod)
 
 
 def _changed(a, b, part):
+  """Each leaf's ``max |a - b|`` whose path holds ``part``.
+
+  In numpy: the same float32 differences, exactly, without compiling eager jnp programs
+  (three per leaf shape), whose executables' memory mappings filled the process until
+  conftest cleared the caches and the rounds compiled again.
+  """
   leaves = jax.tree_util.tree_leaves_with_path(
-    jax.tree.map(lambda x, y: jnp.abs(x - y).max(), a, b)
+    jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(), a, b)
   )
   return {jax.tree_util.keystr(p): float(v) for p, v in leaves if part in jax.tree_util.keystr(p)}
 
@@ -126,7 +134,7 @@ def test_mapped_equals_looped_client_updates(setup, update_fn):
   for k in range(N):
     looped = _update(setup, update_fn, k, meth, protos)
     for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(mapped), strict=True):
-      np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-6)
+      np.testing.assert_allclose(a, np.asarray(b)[k], rtol=2e-4, atol=2e-6)
 
 
 def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, step, public):
@@ -209,7 +217,7 @@ def test_personal_learning_rate_ratio_acts(setup):
   """Sec. 4.5's 0.1 x lr is a config knob: 0 freezes the adapter, 1 moves it more."""
   spec, glob, personal, frozen, arrays, mask, mod = setup
   protos = jnp.ones((2, 8)) / jnp.sqrt(8.0)
-  k_arrays = jax.tree.map(lambda x: x[0], arrays)
+  k_arrays, k_mask, k_mod = _row((arrays, mask, mod), 0)
 
   def moved(r):
     s = dataclasses.replace(spec, personal_lr_ratio=r)
@@ -221,8 +229,8 @@ def test_personal_learning_rate_ratio_acts(setup):
       personal,
       jax.random.key(0),
       k_arrays,
-      mask[0],
-      mod[0],
+      k_mask,
+      k_mod,
       jnp.asarray(0.3),
     )
     return max(_changed(new, personal, "").values())
@@ -247,8 +255,7 @@ def test_moon_term_acts_and_keeps_previous_models(setup, state0, step):
   assert max(_changed(moon2.params, fedavg2.params, "").values()) > 1e-4
   sampled = np.asarray(out["sampled"])
   for k in range(N):
-    prev = jax.tree.map(lambda x, k=k: x[k], moon2.previous)
-    before = jax.tree.map(lambda x, k=k: x[k], off.previous)
+    prev, before = _row(moon2.previous, k), _row(off.previous, k)
     assert (max(_changed(prev, before, "").values()) > 0) == sampled[k]
 
 
@@ -281,6 +288,13 @@ def update_from(setup):
   return fn
 
 
+@pytest.fixture(scope="module")
+def embed(setup):
+  """A client's embeddings of given images and captions (one jit for the module's tests)."""
+  spec, frozen = setup[0], setup[3]
+  return jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
+
+
 def _looped_round(setup, update_from, meth, state, start_of, extra=None):
   """Round_step's sampling and client updates, one client at a time: ``(idx, news)``
   with ``news[j] = (adapters + heads, personal)`` of the j-th sampled client;
@@ -293,19 +307,19 @@ def _looped_round(setup, update_from, meth, state, start_of, extra=None):
   s_k = alg.strength(spec, meth, state.last_wr[idx])
   news = []
   for j, k in enumerate(idx):
-    k_arrays = jax.tree.map(lambda x, k=k: x[k], arrays)
+    k_arrays, k_mask, k_mod = _row((arrays, mask, mod), k)
     new_global, new_personal, _ = update_from(
       meth,
       start_of(k),
       state.prototypes,
       alg.round_lr(spec, t),
       t >= spec.personal_start,
-      jax.tree.map(lambda x, k=k: x[k], state.personal),
+      _row(state.personal, k),
       keys[j],
       k_arrays,
-      mask[k],
-      mod[k],
-      s_k[j],
+      k_mask,
+      k_mod,
+      np.asarray(s_k)[j],
       {} if extra is None else extra,
     )
     news.append((new_global, new_personal))
@@ -313,7 +327,8 @@ def _looped_round(setup, update_from, meth, state, start_of, extra=None):
 
 
 def _row(tree, k):
-  return jax.tree.map(lambda x: x[k], tree)
+  """Client ``k``'s row of each leaf, in numpy (an eager ``x[k]`` compiles per k and shape)."""
+  return jax.tree.map(lambda x: np.asarray(x)[k], tree)
 
 
 def _assert_close(a, b, atol=2e-6):
@@ -381,7 +396,7 @@ def test_pfedmma_shared_adapters_averaged_client_adapters_stay_home(
   for k, (_, new_personal) in zip(idx, news, strict=True):
     _assert_close(_row(s1.personal, k), new_personal, atol=ADAM_ROUNDING_ATOL)
     moved = _changed(_row(s1.personal, k), personal, "client_")
-    held = [t for t, on in zip(("image_", "text_"), np.asarray(mod[k]), strict=True) if on]
+    held = [t for t, on in zip(("image_", "text_"), np.asarray(mod)[k], strict=True) if on]
     assert all(max(v for p, v in moved.items() if t in p) > 0 for t in held)
     assert all(v == 0 for p, v in moved.items() if not any(t in p for t in held))
     # RCSR-p's adapter is not pFedMMA's: it stays at its initial value.
@@ -402,17 +417,20 @@ def test_placeholder_learns_from_the_router_loss_only_after_warm_up(setup, state
   spec, glob, personal, frozen, arrays, mask, mod = setup
   protos = jnp.asarray(RNG_PROTOS)
   c_mod = jnp.asarray(MODALITY)
-  grad = jax.grad(
-    lambda p: alg.S.router_loss(
-      state0.router,
-      p,
-      jnp.zeros((N, 4)),
-      c_mod,
-      jnp.ones((N,)),
-      jnp.ones((N,), bool),
-      state0.prototypes,
-      heads=spec.router_heads,
-    )[0]
+  # Jitted: one compile, where eager it compiled ~280 programs (one per op and shape).
+  grad = jax.jit(
+    jax.grad(
+      lambda p: alg.S.router_loss(
+        state0.router,
+        p,
+        jnp.zeros((N, 4)),
+        c_mod,
+        jnp.ones((N,)),
+        jnp.ones((N,), bool),
+        state0.prototypes,
+        heads=spec.router_heads,
+      )[0]
+    )
   )(protos)
   filled = ~np.asarray(MODALITY)
   assert np.abs(np.asarray(grad)[filled]).max() > 0
@@ -446,7 +464,9 @@ def _mean_rows(num, den, previous):
   return np.where(den[..., None] > 0, mean / np.maximum(norm, 1e-12), np.asarray(previous))
 
 
-def test_mfcpl_weight_acts_and_server_averages_class_prototypes(setup, state0, step, update_from):
+def test_mfcpl_weight_acts_and_server_averages_class_prototypes(
+  setup, state0, step, update_from, embed
+):
   """MFCPL: weight 0 is FedAvg (to rounding), weight 1 changes the round; the round ==
   a looped reference; the server's class prototypes == the count-weighted mean of the
   sampled clients' per-class prototypes of their held modalities, by hand."""
@@ -462,11 +482,11 @@ def test_mfcpl_weight_acts_and_server_averages_class_prototypes(setup, state0, s
   extra = {"class_prototypes": state0.class_prototypes}
   idx, news = _looped_round(setup, update_from, meth, state0, lambda k: state0.params, extra)
   _assert_close(s1.params, _fedavg_of(state0, idx, news, mask))
-  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
   num, den = np.zeros((2, 3, spec.dim)), np.zeros((2, 3))
   for k, (g, q) in zip(idx, news, strict=True):
-    z = [np.asarray(x) for x in embed(g, q, arrays["image"][k], arrays["caption"][k, :, 0])]
-    labels, valid = np.asarray(arrays["label"][k]), np.asarray(mask[k])
+    images, captions = np.asarray(arrays["image"])[k], np.asarray(arrays["caption"])[k, :, 0]
+    z = [np.asarray(x) for x in embed(g, q, images, captions)]
+    labels, valid = np.asarray(arrays["label"])[k], np.asarray(mask)[k]
     for v in range(2):
       for c in range(3):
         rows = z[v][(labels == c) & valid]
@@ -479,7 +499,7 @@ def test_mfcpl_weight_acts_and_server_averages_class_prototypes(setup, state0, s
 
 
 def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
-  setup, state0, step, update_from, public
+  setup, state0, step, update_from, public, embed
 ):
   """FedMEKT: the first targets are the initial model's proxy embeddings; weight 0 is
   FedAvg (to rounding), weight 1 changes the round; the round == a looped reference;
@@ -487,7 +507,6 @@ def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
   modality, by hand."""
   spec, glob, personal, frozen, arrays, mask, mod = setup
   s0 = state0
-  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
   first = jnp.stack(embed(glob, personal, public["image"], public["caption"]))
   np.testing.assert_allclose(s0.public_embeddings, first, rtol=1e-5, atol=1e-6)
   kw = {"mekt": True, "public": public}
@@ -518,7 +537,7 @@ def test_fedmekt_weight_acts_and_server_averages_proxy_embeddings(
 
 
 def test_creamfl_weight_acts_gca_ema_and_single_modality_clients(
-  setup, state0, step, update_from, public
+  setup, state0, step, update_from, public, embed
 ):
   """CreamFL: weight 0 is FedAvg (to rounding), its weight changes the clients' updates
   (not only the loss's scale, which AdamW would undo); the round == a looped reference
@@ -538,7 +557,6 @@ def test_creamfl_weight_acts_gca_ema_and_single_modality_clients(
   print("CreamFL vs FedAvg", max(_changed(s1.params, fedavg.params, "").values()))
   assert max(_changed(s1.params, fedavg.params, "").values()) > 1e-4
   assert max(_changed(s1.params, s4.params, "").values()) > 1e-4
-  embed = jax.jit(functools.partial(alg.client_embeddings, spec, frozen))
   start = jnp.stack(embed(state0.params, personal, public["image"], public["caption"]))
   np.testing.assert_allclose(state0.public_embeddings, start, rtol=1e-5, atol=1e-6)
   extra = {"public": public, "cream_reps": (state0.public_embeddings, start)}
