@@ -186,9 +186,9 @@ def get_config(arg=None):
   config.lora_rank = 8
   # A user whose encoder trains nothing (a CNN under "adapters": no dense layers for
   # LoRA) reads its encoder's pooled features, computed once per set instead of at every
-  # step (fedjax_mm/core/features.py): the same numbers up to float32 rounding, and the
-  # default run about 1.5x faster. SAGE and SimCLR, which augment raw images, run the
-  # encoder as before. False runs every encoder at every step.
+  # step (fedjax_mm/core/features.py): the same numbers up to float32 rounding, and a
+  # round of the default about 2x faster (docs/engine.md). SAGE and SimCLR, which
+  # augment raw images, run the encoder as before. False runs every encoder at every step.
   config.cache_features = True
   # Local sets as the paper's App. G, scaled: MLC 200, IC100 100, IC10 50 samples.
   # Heterogeneous encoders, as the paper's ViT-Base / -Small / -Large: the
