@@ -122,21 +122,22 @@ def cache_frozen_encoders(
   return tuple(groups), tuple(tuple(s) for s in sets), public
 
 
+def _reads_pooled(task: Task) -> bool:
+  return task.input_key.startswith(POOLED_KEY.format(""))
+
+
 def source_task(task: Task) -> Task:
   """The task as its raw group states it: a pooled group reads its images' features.
 
   Two groups solve one task when their kind, targets and raw inputs agree; which array
   holds a group's inputs (the images or their cached features) does not change the task.
   """
-  if task.input_key.startswith(POOLED_KEY.format("")):
-    return dataclasses.replace(task, input_key="image")
-  return task
+  return dataclasses.replace(task, input_key="image") if _reads_pooled(task) else task
 
 
 def cached(groups: Sequence[GroupDef]) -> tuple[bool, ...]:
   """Which groups read pooled features (``input_key`` :data:`POOLED_KEY`)."""
-  prefix = POOLED_KEY.format("")
-  return tuple(g.task.input_key.startswith(prefix) for g in groups)
+  return tuple(_reads_pooled(g.task) for g in groups)
 
 
 __all__ = [

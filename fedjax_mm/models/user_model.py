@@ -15,8 +15,8 @@ what a local step that mixes a task loss and a contrastive loss needs.
 
 A model whose encoder is frozen (a CNN fine-tuned with "adapters", which has
 no dense layers for LoRA) computes the same pooled features of a sample at
-every step. With ``pooled_input=True`` it reads those features ``[b, h]`` in
-place of the raw input and skips the encoder
+every step. After :meth:`UserModel.read_pooled` it reads those features ``[b, h]``
+in place of the raw input and skips the encoder
 (:mod:`fedjax_mm.core.features` computes them once per set); its parameters
 are the same, only the graph's static flag differs.
 
@@ -100,10 +100,10 @@ class UserModel(nnx.Module):
     modality: ``"image"`` or ``"text"``.
     standardize: optional :class:`Standardize` applied to the pooled features
       before the projector (the segmentation head's feature map is left as is).
-    pooled_input: the model reads the encoder's pooled features ``[b, h]``
-      (computed beforehand by :meth:`pooled`) instead of raw inputs, and never
-      runs its encoder; a segmentation head, which reads the encoder's feature
-      map, cannot.
+
+  ``pooled_input`` (False until :meth:`read_pooled`): the model reads the
+  encoder's pooled features ``[b, h]`` (computed beforehand by :meth:`pooled`)
+  instead of raw inputs, and never runs its encoder.
   """
 
   def __init__(
@@ -114,7 +114,6 @@ class UserModel(nnx.Module):
     *,
     modality: str,
     standardize: Standardize | None = None,
-    pooled_input: bool = False,
   ):
     if modality not in ("image", "text"):
       raise ValueError(f"modality must be 'image' or 'text', got {modality!r}.")
@@ -130,8 +129,6 @@ class UserModel(nnx.Module):
     self.head = head
     self.modality = modality
     self.pooled_input = False
-    if pooled_input:
-      self.read_pooled()
 
   def read_pooled(self) -> None:
     """From now on the model reads pooled encoder features, not raw inputs (see the class)."""
