@@ -65,7 +65,7 @@ pairs, representations of dimension 512 (Fig. 4), a ResNet-101 + BERT server,
 tested on MS-COCO's 5K and 1K protocols. The server's BERT is the Hugging Face
 folder ``checkpoints/bert-base-uncased`` (docs/guides/paper_scale.md), so
 without it the run stops at validation in one line naming the folder (exit 2).
-Each text tower reads the captions of its own token space (``fedjax_mm.runner.text``):
+Each text tower reads the captions of its own token space (``fedjax_mm.core.text``):
 the server's BERT its WordPieces; the GRU clients, which cannot read English, the ids
 of ``data.text_tokenizer``, here the same BERT's tokenizer (their embeddings sized to
 its 30,522 ids), so one tokenisation of the captions serves every tower.

@@ -75,7 +75,7 @@ with their decode heads) on COCO's semantic masks (``coco_panoptic``: the
 panoptic annotations of ``coco/2017_panoptic``, 133 classes, unlabelled pixels
 ignored). Its BERT-Base and DistilBERT-Base text users are two tokenizers, which
 the runner supports: each reads the captions (its own and the public set's)
-through its own (``fedjax_mm/runner/text.py``). ``tests/test_paper_configs.py``
+through its own (``fedjax_mm/core/text.py``). ``tests/test_paper_configs.py``
 runs a round of it with tiny random folders in place of every checkpoint.
 """
 

@@ -55,6 +55,7 @@ from jax._src import distributed as jax_distributed  # The job's size, known bef
 from ml_collections import config_flags
 
 from fedjax_mm.core.checkpoint import CheckpointError
+from fedjax_mm.data.tfds import DatasetError
 from fedjax_mm.models.hf import HfError
 from fedjax_mm.models.pretrained import PretrainedError
 from fedjax_mm.runner import EXPERIMENTS, experiment_runner
@@ -525,7 +526,7 @@ def _main():
     signal.signal(signal.SIGINT, _sigint_as_notice)
   try:
     run(_CONFIG.value, workdir, overwrite=_OVERWRITE.value)
-  except (ConfigError, WorkdirError, NonFiniteError, CheckpointError) as e:
+  except (ConfigError, DatasetError, WorkdirError, NonFiniteError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise _Refused(2) from None
   except (HfError, PretrainedError) as e:  # A damaged checkpoint file: each host reads its own.

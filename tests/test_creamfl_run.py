@@ -10,7 +10,7 @@ import pytest
 import rounding
 
 from experiments import creamfl as creamfl_config
-from fedjax_mm import core, data
+from fedjax_mm import core, data, metrics
 from fedjax_mm.algorithms import creamfl
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner import creamfl_report
@@ -264,7 +264,7 @@ def test_r1_sum_is_the_sum_of_the_four_r1_values():
 def test_chance_recall_is_a_random_rankings_recall(num_images, captions):
   """Against enumeration of every ranking of the candidates (all equally likely)."""
   ks = (1, 2, 5)
-  got = creamfl_report.chance_recall(num_images, captions, ks)
+  got = metrics.retrieval.chance_recall(num_images, captions, ks)
   # i2t: image 0's C correct captions among C N candidates.
   candidates = num_images * captions
   rankings = list(itertools.permutations(range(candidates)))

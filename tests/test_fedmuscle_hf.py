@@ -11,10 +11,10 @@ from flax import nnx
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data, models
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.models import hf, hf_bert
 from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner import fedmuscle_data
-from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner.errors import ConfigError
 
 MINILM = hf_toys.MINILM

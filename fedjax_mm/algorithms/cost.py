@@ -1,11 +1,12 @@
-"""Computation per round of each FedMuscle-experiment method: users and server apart.
+"""Computation and bytes per round of each FedMuscle-experiment method: users and server apart.
 
 The FedMuscle paper's point about cost: Muscle moves work to the server (the
 partners' terms ``Z^m / tau`` and ``-gamma G`` are the server's), while the
 Gramian loss leaves everything to the user, ``(M+1)^3`` times more per pair.
 :func:`method_costs` measures it for the run's own users, from XLA's cost
 analysis of lowered-and-compiled functions (:func:`fedjax_mm.core.cost.flops`),
-once at start-up, without training anything.
+once at start-up, without training anything; :func:`method_bytes` gives what each
+baseline's users send and receive per round.
 
 XLA counts a loop's body once (see :mod:`fedjax_mm.core.cost`), so no round
 is compiled whole: each method's round is split into the steps it repeats,
@@ -66,6 +67,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_mm import losses, server
@@ -82,6 +84,7 @@ from fedjax_mm.algorithms import (
 from fedjax_mm.algorithms.base import classes_of, task_classes
 from fedjax_mm.core.client import ClientData, ClientState, GroupDef, supervised_objective
 from fedjax_mm.core.cost import flops
+from fedjax_mm.core.ledger import tree_bytes
 from fedjax_mm.server import cofed as cofed_server
 
 PyTree = Any
@@ -409,3 +412,64 @@ def _pseudo_label(config, groups, states, train_data, public) -> list[float]:
 
 def _supervised(group: GroupDef):
   return functools.partial(supervised_objective, group)
+
+
+def method_bytes(
+  methods, states, tasks, archs, statements, *, rad_size: int, num_public: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
+
+    ``states``: each user's (a group of one); ``tasks`` / ``archs``: each user's task and
+    architecture; ``statements``: each user's CoFED statements
+    (:func:`fedjax_mm.algorithms.cofed.world_statements`); ``rad_size``: FedHeNN's alignment
+    set; ``num_public``: the public set's size.
+
+  Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
+
+    * SAGE: a user with another user of its task uploads the parameters it
+      averages (its head; every trained parameter when it also has an
+      architecture partner) and downloads their average; a user alone in its
+      task sends nothing.
+    * CoFED: every voting user uploads ``int32 [P, H]`` votes and downloads
+      ``int32 [P, H]`` pseudo-labels (``H`` = 1, or the labels of a multi-label
+      user); segmentation users take no part.
+    * FedDF: a user with a partner (another user of its task) uploads its trained
+      parameters and downloads its prototype's distilled ones; a user alone in its
+      task sends nothing.
+    * FedRCL: a user with another user of its task and architecture uploads and
+      downloads its parameters; a user alone in its class sends nothing (its
+      average would be itself).
+    * FedHeNN: every user uploads its ``[R, R]`` float32 kernel of the alignment
+      set and downloads the server's ``K_bar``, of the same size.
+  """
+  params = np.array([tree_bytes(s.params) for s in states], np.int64)  # K = 1 each
+  partner = np.array([tasks.count(t) > 1 for t in tasks])
+  same_class = list(zip(tasks, archs, strict=True))
+  classmate = np.array([same_class.count(c) > 1 for c in same_class])
+  kernel = np.full(len(tasks), 4 * rad_size * rad_size, np.int64)
+  votes = np.array([tree_bytes(cofed.messages(s, num_public)[:1]) for s in statements], np.int64)
+  shared = _sage_bytes(states, tasks, archs)
+  out = {
+    "sage": (shared, shared),
+    "cofed": (votes, votes),
+    "feddf": (params * partner, params * partner),
+    "fedrcl": (params * classmate, params * classmate),
+    "fedhenn": (kernel, kernel),
+    # Each user alone: nothing crosses the wire (a ledger of zeros, not a missing one).
+    "simclr": (np.zeros(len(tasks), np.int64),) * 2,
+    "pseudo_label": (np.zeros(len(tasks), np.int64),) * 2,
+  }
+  return {m: v for m, v in out.items() if m in methods}
+
+
+def _sage_bytes(states, tasks, archs) -> np.ndarray:
+  """Per user, the bytes of the parameters SAGE averages (each way); 0 for a user alone in its task."""
+  partners = sage.averaged_leaves([s.params for s in states], tasks, archs)
+  out = []
+  for s, (arch, head) in zip(states, partners, strict=True):
+    whole = len(arch) > 1  # an architecture partner: every trained parameter
+    sent = jax.tree_util.tree_map_with_path(
+      lambda path, x, whole=whole: x if whole or sage.is_head(path) else None, s.params
+    )
+    out.append(tree_bytes(sent) if len(set(arch + head)) > 1 else 0)
+  return np.array(out, np.int64)

@@ -102,7 +102,7 @@ they take no step and weigh 0 in every aggregate.
 **Token spaces.** The paper's server reads captions with BERT while its text and
 multimodal clients run GRUs (Sec. 4.1, App. A.2): the towers read the same captions
 through different tokenizers. Every text tower therefore reads the captions of its
-own token space (:mod:`fedjax_mm.runner.text`): :class:`ServerDef` and each
+own token space (:mod:`fedjax_mm.core.text`): :class:`ServerDef` and each
 :class:`ClientGroup` carry a ``text_key`` (``caption``, or ``caption:<checkpoint>``),
 and the public set (and each group's private data) holds the same captions once
 per space read. Representations are of the same public samples whatever the space,
@@ -178,7 +178,7 @@ class DualEncoder(nnx.Module):
   Args:
     image_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (image) or ``hf:<folder>``.
     text_encoder: a name in :data:`fedjax_mm.models.ENCODERS` (text) or ``hf:<folder>``
-      (its captions must be in the checkpoint's tokens: :mod:`fedjax_mm.runner.text`).
+      (its captions must be in the checkpoint's tokens: :mod:`fedjax_mm.core.text`).
     rep_dim: ``d``.
     image_size: side of the square images.
     vocab_size: token ids of the text encoder.
@@ -260,7 +260,7 @@ def retrieval_objective(
   """Symmetric InfoNCE between images and one random caption each (masked mean).
 
   ``text_key``: the key of the captions the model's text tower reads (its token
-  space: ``caption`` or ``caption:<checkpoint>``, :mod:`fedjax_mm.runner.text`).
+  space: ``caption`` or ``caption:<checkpoint>``, :mod:`fedjax_mm.core.text`).
   """
   captions = batch[text_key]
   if captions.ndim == 3:  # [b, C, L]: pick one caption per sample
@@ -465,7 +465,7 @@ class ServerDef:
     tx: its optimizer (steps 1 and 7).
     text_key: the public set's key of the captions its text tower reads: ``caption``
       (the world's ids) or ``caption:<checkpoint>`` (a checkpoint tokenizer's ids;
-      :func:`fedjax_mm.runner.text.caption_key`).
+      :func:`fedjax_mm.core.text.caption_key`).
     lr_factor: optional ``round -> factor`` (0-based round) scaling every server
       update of that round (:func:`fedjax_mm.core.optim.at_rate`: the learning rate's
       schedule for AdamW / AdamP), e.g. the authors' code's cosine annealing stepped

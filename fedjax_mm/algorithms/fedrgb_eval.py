@@ -59,6 +59,8 @@ on them in one vmapped program.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +70,9 @@ from flax import nnx
 
 from fedjax_mm import metrics
 from fedjax_mm.algorithms.fedrgb import FedRGB
-from fedjax_mm.core.client import map_clients
+from fedjax_mm.core import processes
+from fedjax_mm.core.client import apply_in_batches, map_clients
+from fedjax_mm.core.sharding import replicate, traced_in
 from fedjax_mm.models.conv import Conv
 
 Array = jax.Array
@@ -321,14 +325,217 @@ def majority_accuracy(test_labels: np.ndarray) -> float:
   return float(100.0 * counts.max() / counts.sum())
 
 
+def retrieval(z_i: Array, z_t: Array, gallery: int, ks=(1, 5)) -> dict[str, Array]:
+  """R@K of pairs ``(z_i[j], z_t[j])`` in percent: both directions, and t2i per gallery batch."""
+  n = z_i.shape[0]
+  ids = jnp.arange(n)
+  out = metrics.image_text_recall(z_i, z_t, ids, ks=ks)
+  used = n // gallery * gallery
+  batched = metrics.image_text_recall(z_i[:used], z_t[:used], ids[:used], ks=ks, folds=n // gallery)
+  return out | {f"gallery_t2i_R@{k}": batched[f"t2i_R@{k}"] for k in ks}
+
+
+def evaluate(embedder, local, encoder, aligner, test, ood, *, gallery, batch_size=256, ks=(1, 5)):
+  """FedRGB's retrieval metrics (:func:`retrieval`) of every client's held-out pairs and of the
+  out-of-distribution pairs ``ood``.
+
+  ``local`` (static under ``jit``): ``encoder`` / ``aligner`` hold every client's own model,
+  stacked (Local), each scored on its own pairs and the OOD metrics averaged over them; else
+  one global model scores all. Pairs are embedded ``batch_size`` at a time
+  (:func:`fedjax_mm.core.client.apply_in_batches`). Returns ``(own [K] per metric, ood)``.
+  """
+
+  def score(enc, al, b):
+    embed = lambda x: embedder.embed(enc, al, x["images"], x["captions"])  # noqa: E731
+    return retrieval(*apply_in_batches(embed, b, batch_size), gallery, ks)
+
+  axes = 0 if local else None
+  own = jax.vmap(score, in_axes=(axes, axes, 0))(encoder, aligner, test)
+  if local:  # every client's model on the shared OOD pairs, averaged
+    # One client at a time: vmapped, each block of similarities (chunk x OOD pairs) was
+    # formed for all K clients at once, K times the memory.
+    shifted = jax.lax.map(lambda m: score(*m, ood), (encoder, aligner))
+    shifted = jax.tree.map(jnp.mean, shifted)
+  else:
+    shifted = score(encoder, aligner, ood)
+  return own, shifted
+
+
+class FinalEvaluation:
+  """The evaluations of a final global model, each compiled once for every method.
+
+  The distortion matrix (Tables 6 / 11: :func:`distortion_matrix` per retraining, its
+  clients mapped over ``mesh`` as in a round), downstream fine-tuning (both of ``tasks`` and
+  every fraction in one program: the tasks' labels stacked, a task's missing classes masked
+  out of its logits; :func:`finetune_accuracy`) and segmentation (:func:`segmentation_dice`).
+  Every method gets the same keys, from ``seed`` (+19 the distortion's client draws, +17
+  the fine-tuning's, +29 the decoder's start), hence the same draws.
+
+  Args:
+    embedder: the FedRGB model (:meth:`~fedjax_mm.algorithms.fedrgb.FedRGB.embed`).
+    mesh: the job's mesh (:func:`fedjax_mm.core.job_mesh`); with more than one device the
+      scenes are replicated over it, as the run's data are.
+    data: the run's ``{"train", "mask", "test"}`` client data, placed.
+    scenes: the labelled downstream scenes: ``images``, ``masks`` (``[fractions, n]``),
+      ``test_images``, ``seg_targets``, ``seg_test_targets``, and ``labels`` /
+      ``test_labels`` (``{task: [n]}``).
+    tasks: ``{task: (num_classes, ...)}``, in order.
+    seed: the run's seed.
+    distortion_steps, fractions: the retraining's steps; the labelled fractions.
+    downstream: ``steps``, ``batch_size``, ``learning_rate``, ``train_encoder`` of the
+      fine-tuning; segmentation: ``steps``, ``batch_size``, ``learning_rate``, ``width``.
+    name_fraction: a fraction's key in the results (``0.01 -> "1%"``).
+  """
+
+  def __init__(
+    self,
+    embedder,
+    mesh,
+    data,
+    scenes,
+    tasks,
+    *,
+    seed,
+    distortion_steps,
+    fractions,
+    downstream,
+    segmentation,
+    name_fraction,
+  ):
+    self.data, self.fractions, self.name_fraction = data, list(fractions), name_fraction
+    self.tasks = list(tasks)
+    dist_key = jax.random.key(seed + 19)  # the same client draws for every method
+
+    @functools.partial(jax.jit, static_argnums=0)
+    @functools.partial(traced_in, mesh)  # the clients' retraining: map_clients, as in a round
+    def distortion_jit(a, encoder, aligner, teacher, decoder, train, mask, test):
+      return distortion_matrix(
+        a,
+        encoder,
+        aligner,
+        teacher,
+        dist_key,
+        train,
+        mask,
+        test,
+        steps=distortion_steps,
+        decoder=decoder,
+      )
+
+    down_key = jax.random.key(seed + 17)
+    num_classes = max(c for c, _ in tasks.values())
+    valid = jnp.asarray([np.arange(num_classes) < tasks[t][0] for t in self.tasks])
+    stacked = lambda labels: jnp.asarray(np.stack([labels[t] for t in self.tasks]))  # noqa: E731
+    # The labelled scenes, passed to the jitted evaluations as arguments (like the rounds' data).
+    names = ("images", "masks", "test_images", "seg_targets", "seg_test_targets")
+    placed = {k: scenes[k] for k in names}
+    placed |= {"labels": stacked(scenes["labels"]), "test_labels": stacked(scenes["test_labels"])}
+    self.scenes = replicate(placed, mesh) if mesh.size > 1 else placed
+
+    @jax.jit
+    def finetune_jit(encoder, aligner, d):
+      def one(y, y_test, classes):
+        return finetune_accuracy(
+          embedder,
+          encoder,
+          aligner,
+          down_key,
+          d["images"],
+          y,
+          d["masks"],
+          d["test_images"],
+          y_test,
+          num_classes=num_classes,
+          steps=int(downstream["steps"]),
+          batch_size=int(downstream["batch_size"]),
+          learning_rate=float(downstream["learning_rate"]),
+          train_encoder=downstream["train_encoder"],
+          classes=classes,
+        )
+
+      return jax.vmap(one)(d["labels"], d["test_labels"], valid)
+
+    seg_key = jax.random.key(seed + 29)  # the same decoder start and draws for every row
+
+    @jax.jit
+    def segment_jit(encoder, aligner, d):
+      return segmentation_dice(
+        embedder,
+        encoder,
+        aligner,
+        seg_key,
+        d["images"],
+        d["seg_targets"],
+        d["masks"],
+        d["test_images"],
+        d["seg_test_targets"],
+        steps=int(segmentation["steps"]),
+        batch_size=int(segmentation["batch_size"]),
+        learning_rate=float(segmentation["learning_rate"]),
+        width=int(segmentation["width"]),
+      )
+
+    self._distortion, self._finetune, self._segment = distortion_jit, finetune_jit, segment_jit
+
+  def distortion(self, algorithm: FedRGB, s, retrains) -> dict[str, Any]:
+    """Per retraining (:data:`RETRAIN`): the matrix, its summary, the paired and unpaired
+    cosines before retraining. A retraining that is the same algorithm as an earlier one
+    (FedAvg's own update is ``L_task``) is not rerun."""
+    out, seen = {}, {}
+    for retrain in retrains:
+      a = retrainer(algorithm, retrain)
+      if a in seen:
+        out[retrain] = out[seen[a]]
+        continue
+      seen[a] = retrain
+      d = {
+        n: np.asarray(v, np.float64)
+        for n, v in processes.gather(
+          self._distortion(
+            a,
+            s.encoder,
+            s.aligner,
+            s.teacher,
+            s.decoder,
+            *(self.data[k] for k in ("train", "mask", "test")),
+          )
+        ).items()
+      }
+      out[retrain] = {
+        "matrix": d["matrix"].tolist(),
+        "summary": summarize_distortion(d["matrix"]),
+        "paired_cosine": float(d["before"].mean()),
+        "unpaired_cosine": float(d["unpaired"].mean()),
+      }
+    return out
+
+  def downstream(self, encoder, aligner) -> dict[str, dict[str, float]]:
+    """``{task: {fraction: accuracy}}`` of the image tower + a linear layer fine-tuned."""
+    acc = np.asarray(processes.gather(self._finetune(encoder, aligner, self.scenes)))
+    return {
+      t: {self.name_fraction(f): float(v) for f, v in zip(self.fractions, acc[i], strict=True)}
+      for i, t in enumerate(self.tasks)
+    }
+
+  def segmentation(self, encoder, aligner) -> dict[str, float]:
+    """``{fraction: Dice in %}`` of a decoder trained on the frozen image tower."""
+    dice = np.asarray(processes.gather(self._segment(encoder, aligner, self.scenes)))
+    return {
+      self.name_fraction(f): 100.0 * float(v) for f, v in zip(self.fractions, dice, strict=True)
+    }
+
+
 __all__ = [
   "RETRAIN",
+  "FinalEvaluation",
   "SegDecoder",
   "all_positive_dice",
   "distortion_matrix",
+  "evaluate",
   "finetune_accuracy",
   "majority_accuracy",
   "paired_cosine",
+  "retrieval",
   "retrainer",
   "segmentation_dice",
   "segmentation_loss",

@@ -231,6 +231,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from fedjax_mm import metrics
 from fedjax_mm.algorithms.base import Algorithm
 from fedjax_mm.core import faults as faults_lib
 from fedjax_mm.core.client import apply_in_batches, local_update, map_clients
@@ -873,6 +874,70 @@ def client_embeddings(spec, frozen, params, personal, images, captions, client_s
   z_i = apply_in_batches(embed_i, images, spec.eval_batch)
   z_t = apply_in_batches(embed_t, captions, spec.eval_batch)
   return z_i, z_t
+
+
+def recall(z_i: Array, z_t: Array, ks=(1, 5, 10)) -> dict[str, Array]:
+  """R@K of pairs ``(z_i[j], z_t[j])``: both directions, in percent.
+
+  A query's rank is the number of candidates strictly more similar than its own
+  pair (:func:`fedjax_mm.metrics.image_text_recall` with one caption per image,
+  which forms the similarities ``chunk_size`` queries at a time, never all
+  ``n x n`` of them).
+  """
+  out = metrics.image_text_recall(z_i, z_t, jnp.arange(z_i.shape[0]), ks=ks)
+  for k in ks:
+    out[f"R@{k}"] = (out[f"i2t_R@{k}"] + out[f"t2i_R@{k}"]) / 2
+  return out
+
+
+def evaluate(spec: RcsrDef, s, test, g, frozen, *, ks=(1, 5, 10)):
+  """Every client's R@K on its own test pairs (``test``, stacked), with its personal part
+  where the method has one, and the shared model's on the global test pairs ``g``.
+
+  Returns ``(own, global)``: :func:`recall` per client (and ``personal_shift``, the mean
+  distance the personal adapter moves an embedding), and of the shared model (FedPer,
+  which has none: the mean over the clients' own models). Jit it with ``spec`` bound.
+  """
+  cs = s.method.client_scale
+
+  def embeddings(params, personal, pairs, client_scale=None):
+    # spec.eval_batch pairs at a time: the whole set at once held every layer's activations.
+    return client_embeddings(
+      spec, frozen, params, personal, pairs["image"], pairs["caption"], client_scale
+    )
+
+  def own_params(previous):
+    # FedPer's clients are scored with their own adapters + heads.
+    return jax.tree.map(lambda p, q: jnp.where(s.method.fedper, q, p), s.params, previous)
+
+  def client(personal, previous, arrays, wr):
+    params = own_params(previous)
+    model = spec.merge(params, personal, frozen)
+    z_i, z_t = embeddings(params, personal, arrays, cs)
+    s_k = strength(spec, s.method, wr)
+    p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
+    # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
+    shift = (
+      jnp.linalg.norm(p_i - z_i, axis=-1).mean() + jnp.linalg.norm(p_t - z_t, axis=-1).mean()
+    ) / 2
+    z_i = jnp.where(s.method.personal, p_i, z_i)
+    z_t = jnp.where(s.method.personal, p_t, z_t)
+    return recall(z_i, z_t, ks) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
+
+  own = jax.vmap(client)(s.personal, s.previous, test, s.last_wr)
+
+  def shared():
+    # The shared model alone (RCSR-p's and pFedMMA's client parts off).
+    return recall(*embeddings(s.params, jax.tree.map(lambda x: x[0], s.personal), g), ks)
+
+  def mean_of_clients():
+    # FedPer has no shared model: the mean over the N clients' own models.
+    def one(previous):
+      return recall(*embeddings(previous, jax.tree.map(lambda x: x[0], s.personal), g), ks)
+
+    return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, s.previous))
+
+  return own, jax.lax.cond(s.method.fedper, mean_of_clients, shared)
 
 
 def _reported(z_i, z_t, sample_mask, modality, prototypes):

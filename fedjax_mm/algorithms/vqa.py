@@ -48,27 +48,32 @@ L2-normalised ``d``-dimensional representations, the embeddings the authors'
 head reads (``features="pooled"`` in the runner takes the encoders' pooled
 outputs instead).
 
-Everything here is pure, un-jitted (the caller jits at the top, with the
-feature extraction: :func:`fedjax_mm.runner.creamfl_data.vqa_accuracy`) and
-deterministic given the key; :func:`evaluate` fits the head and the blind head
-together (``vmap`` over the image switch ``sees_image``).
+Everything here is pure and deterministic given the key, and un-jitted but for
+:func:`server_accuracy`, which jits it at the top with the feature extraction (the
+runner's :func:`fedjax_mm.runner.creamfl_data.vqa_accuracy` calls it); :func:`evaluate`
+fits the head and the blind head together (``vmap`` over the image switch ``sees_image``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from fedjax_mm import metrics
 from fedjax_mm.core.client import apply_in_batches
+from fedjax_mm.data import vqa as vqa_data
 
 Array = jax.Array
 
+
 __all__ = [
   "QASet",
+  "VqaData",
   "accuracy_by_type",
   "evaluate",
   "fit_head",
@@ -76,6 +81,7 @@ __all__ = [
   "init_head",
   "majority_logits",
   "predict",
+  "server_accuracy",
   "server_features",
 ]
 
@@ -311,3 +317,43 @@ def server_features(model, images: Array, arguments: Array, features: str) -> tu
     image = lambda x: model.image_encoder(x)[0]
     text = lambda x: model.text_encoder(x)[0]
   return apply_in_batches(image, images, 256), apply_in_batches(text, arguments, 256)
+
+
+class VqaData(NamedTuple):
+  """The VQA analogue's scenes and questions, as the server reads them.
+
+  Attributes:
+    images: ``float32 [N_train + N_test, S, S, 3]`` the training scenes, then the test scenes.
+    arguments: ``int32 [U, L]`` every distinct argument phrase (:mod:`fedjax_mm.data.vqa`),
+      as the server's text tower reads captions (world ids padded to ``L``, or the
+      ``hf:`` checkpoint's tokens).
+    train, test: ``{"image": [Q] row of images, "argument": [Q] row of arguments,
+      "type": [Q], "answer": [Q]}``, int32 each.
+  """
+
+  images: Array
+  arguments: Array
+  train: dict[str, Array]
+  test: dict[str, Array]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "features", "head"))
+def server_accuracy(graphdef, params, qa: VqaData, key, *, features: str, head: tuple):
+  """Features of the frozen server (``graphdef`` + ``params``), then :func:`evaluate`.
+
+  One program (module level, the graph and ``head``'s hyperparameters static): every
+  server, and a second run in the same process, reuse it.
+  """
+  image, text = server_features(nnx.merge(graphdef, params), qa.images, qa.arguments, features)
+
+  def qa_set(split):
+    return QASet(image[split["image"]], text[split["argument"]], split["type"], split["answer"])
+
+  return evaluate(
+    key,
+    qa_set(qa.train),
+    qa_set(qa.test),
+    num_types=vqa_data.NUM_TYPES,
+    num_answers=vqa_data.NUM_ANSWERS,
+    **dict(head),
+  )

@@ -17,7 +17,7 @@ Text tasks are classification tasks whose input is a caption key: the data holds
 several captions per sample ``[n, C, L]``; training picks one at random per
 sample and step, evaluation uses the first. ``caption`` holds them as the world's
 token ids; ``caption:<space>`` holds the same captions in another token space (an
-``hf:`` checkpoint's ids, :mod:`fedjax_mm.runner.text`), so users of different
+``hf:`` checkpoint's ids, :mod:`fedjax_mm.core.text`), so users of different
 tokenizers read one data dict (the public set) each through its own key.
 
 Segmentation masks may hold pixels of no class (COCO panoptic's unlabelled

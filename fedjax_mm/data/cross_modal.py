@@ -8,7 +8,7 @@ Wikipedia. This module holds such features, whatever produced them:
 * :class:`PairedFeatures` — ``image [n, d_img]``, ``text [n, d_txt]`` (row
   ``i`` of both is pair ``i``) and integer ``labels [n]``. Real precomputed
   features go straight in (``PairedFeatures(image=np.load(...), ...)``); the
-  embedded world's are made by :func:`fedjax_mm.runner.fedscmr.world_features`.
+  embedded world's are made by :func:`fedjax_mm.core.features.world_features`.
 * :func:`class_subset_split` — the non-IID split of the experiments: client
   ``k`` sees only ``c_k`` of the classes (a seeded random subset, clients
   overlap) and holds ``n_k`` training pairs plus ``m`` test pairs drawn from

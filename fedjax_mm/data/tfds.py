@@ -57,7 +57,7 @@ its classes per label key (:attr:`Reader.classes`). FedMuscle's runner reads its
 public set this way when ``config.data.source = "tfds"``
 (:func:`fedjax_mm.runner.fedmuscle_data._tfds_sets`), CreamFL's its clients' pools, public
 set and test set (:func:`fedjax_mm.runner.creamfl_data._tfds_sets`), both through
-:func:`fedjax_mm.runner.tfds_sets.read_disjoint`.
+:func:`read_disjoint`.
 
 Where the data must be
 ----------------------
@@ -85,6 +85,24 @@ access: rebuild it with ``--file_format=array_record``.
 
 Requires ``tensorflow-datasets`` and ``array-record`` (``pip install
 'fedjax_mm[tfds]'``), imported only when :func:`load` is called.
+
+Disjoint, seeded slices (:func:`read_disjoint`). A runner with ``config.data.source =
+"tfds"`` asks each ``(dataset, split)`` for some sets (a user's training set, a client group's pool, the public
+set, a test set), each of some size. :func:`read_disjoint` reads each split once
+and gives every set its own examples:
+
+* the pool is the split's first ``data.limit`` examples (0: all of them), so a
+  small ``limit`` makes a run small;
+* the pool is permuted by a key of the run's seed, the dataset and the split
+  (``crc32("<dataset>/<split>")``), and the sets take consecutive slices of that
+  order, in the order they were asked: no example is in two sets;
+* a pool smaller than the sum asked is shared in proportion (:func:`shares`:
+  ``floor(asked * pool / sum)`` each, every set at least one example, else
+  :class:`DatasetError`).
+
+Each set's indices are sorted before reading (a set is unordered and the files
+are read in order), and :func:`fedjax_mm.data.tfds.load` returns them in the
+world's dict-of-arrays interface. FedMuscle's and CreamFL's runners read their data through it.
 """
 
 from __future__ import annotations
@@ -92,10 +110,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from fedjax_mm.data.partition import take
 
 
 class DatasetError(ValueError):
@@ -479,7 +500,7 @@ def num_examples(
 def hf_tokenizer(checkpoint: str, max_len: int = 32) -> Tokenizer:
   """The tokenizer of an ``hf:`` checkpoint as a :data:`Tokenizer` (``[CLS] ... [SEP]``, PAD 0).
 
-  The same call as :func:`fedjax_mm.runner.text.retokenize` makes for the world's captions.
+  The same call as :func:`fedjax_mm.core.text.retokenize` makes for the world's captions.
   """
   from fedjax_mm.models import hf  # jax and transformers, only when captions are tokenised
 
@@ -492,6 +513,78 @@ def hf_tokenizer(checkpoint: str, max_len: int = 32) -> Tokenizer:
     return out["input_ids"].astype(np.int32)
 
   return tokenize
+
+
+def shares(asked: Sequence[int], pool: int, where: str, limit: int | None) -> list[int]:
+  """How many examples each of the sets cut from one pool gets: what it asked, or a share.
+
+  When the pool is smaller than the sum asked, each set gets ``floor(asked * pool /
+  sum)``; a set left with none raises :class:`DatasetError`.
+  """
+  total = sum(asked)
+  if total <= pool:
+    return list(asked)
+  sizes = [n * pool // total for n in asked]
+  if min(sizes) < 1:
+    raise DatasetError(
+      f"data: {where} has {pool} examples (data.limit={limit or 0}) for {len(asked)} sets "
+      f"asking {total}: too few to give each one."
+    )
+  return sizes
+
+
+def read_disjoint(
+  wants: Mapping[tuple[str, str], Sequence[tuple[Hashable, int]]],
+  *,
+  seed: int,
+  data_dir: str | None,
+  limit: int | None,
+  image_size: int,
+  tokenizer: Callable[[str, str], Tokenizer | None] = lambda name, split: None,
+) -> dict[Hashable, dict[str, np.ndarray]]:
+  """Reads every ``(dataset, split)`` once and cuts it in disjoint, seeded slices.
+
+  Args:
+    wants: ``(dataset, split) -> [(who, size), ...]``: the sets each split gives,
+      in the order they take their slices; ``who`` names a set (unique overall).
+    seed: the run's seed (with the dataset and split, the permutation's key).
+    data_dir: the TFDS data folder (None: TFDS's default).
+    limit: read at most the first ``limit`` examples of each split (None: all).
+    image_size: the side every image is resized to.
+    tokenizer: ``(dataset, split) -> Tokenizer | None``, the tokenizer a read's
+      captions go through (None: the read keeps no captions).
+
+  Returns:
+    ``{who: {key: array [n_who, ...]}}``; ``n_who`` is the size asked, or a share
+    of a pool smaller than the sum asked (:func:`shares`).
+
+  Raises:
+    DatasetError: a pool too small to give every set an example, or a split that cannot be
+      read (:func:`load`).
+  """
+  sets = {}
+  for (name, split), asked in wants.items():
+    pool = num_examples(name, split=split, data_dir=data_dir, limit=limit)
+    sizes = shares([n for _, n in asked], pool, f"{name} {split!r}", limit)
+    key = zlib.crc32(f"{name}/{split}".encode())
+    order = np.random.default_rng([seed, key]).permutation(pool)
+    bounds = np.cumsum([0, *sizes])
+    # Each set's indices sorted: a set is unordered, and the files are read in order.
+    indices = np.concatenate(
+      [np.sort(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    )
+    arrays = load(
+      name,
+      split=split,
+      data_dir=data_dir,
+      limit=limit,
+      image_size=image_size,
+      tokenizer=tokenizer(name, split),
+      indices=indices,
+    )
+    for (who, _), a, b in zip(asked, bounds[:-1], bounds[1:], strict=True):
+      sets[who] = take(arrays, np.arange(a, b))
+  return sets
 
 
 __all__ = [
@@ -517,6 +610,8 @@ __all__ = [
   "panoptic_ids",
   "panoptic_to_semantic",
   "prepared_folder",
+  "read_disjoint",
   "resize_image",
   "resize_mask",
+  "shares",
 ]

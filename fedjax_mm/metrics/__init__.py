@@ -13,6 +13,8 @@ mean_iou_from_confusion_matrix
 dice                                binary segmentation (FedRGB)
 image_text_recall                   i2t / t2i Recall@K (CreamFL, FedMuscle)
 map_at_n, ndcg_at_n                 supervised cross-modal retrieval (FedSCMR)
+retrieval.chance_recall,            chance levels: a random ranking's R@K (closed
+retrieval.random_ranking            form) and mAP@N / NDCG@N (sampled)
 delta                               multi-task summary over users (FedMuscle)
 seeds.interval, paired_difference,  a mean over seeds with its 95% t interval;
 verdict                             a paired comparison and whether it holds

@@ -11,6 +11,10 @@ Two protocols are covered:
   Wikipedia): :func:`map_at_n` and :func:`ndcg_at_n` rank a database by cosine
   similarity and call an item relevant when it shares a label with the query.
 
+Beside them, the chance levels the reports print: :func:`chance_recall` (a random
+ranking's Recall@K in closed form) and :func:`random_ranking` (mAP@N and NDCG@N of
+random rankings, sampled).
+
 Queries (for Recall@K, the captions of both directions) are processed in blocks of at
 most ``chunk_size`` with ``jax.lax``'s loops, so at most about ``chunk_size * N``
 similarities exist at once (``N`` = number of candidates), e.g. 1000 x 5000 floats
@@ -524,3 +528,55 @@ def ndcg_at_n(
     query, database, query_labels, database_labels, query_where, database_where
   )
   return _ranking_metric(*arrays, n=n, chunk_size=chunk_size, metric="ndcg")
+
+
+def random_ranking(
+  labels: Array, mask: Array, *, ns: Sequence[int], key: Array, draws: int = 32
+) -> dict[str, Array]:
+  """mAP@N and NDCG@N of a random ranking on ONE test set, averaged over ``ns`` and draws.
+
+  Queries and database are i.i.d. Gaussian embeddings (cosine similarity then
+  ranks the database uniformly at random), scored with the same metrics as
+  the systems; both directions are the same in distribution.
+
+  Args:
+    labels: ``int [n]`` labels of the test pairs.
+    mask: ``bool [n]`` valid pairs.
+    ns: the ``N`` of mAP@N / NDCG@N.
+    key: PRNG key.
+    draws: random rankings averaged.
+
+  Returns:
+    ``{"mAP": m, "NDCG": g}``.
+  """
+
+  def one(k):
+    q, d = jax.random.normal(k, (2, labels.shape[0], 8))
+    kw = dict(query_where=mask, database_where=mask)
+    maps = [map_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
+    ndcgs = [ndcg_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
+    return jnp.mean(jnp.stack(maps)), jnp.mean(jnp.stack(ndcgs))
+
+  maps, ndcgs = jax.jit(jax.vmap(one))(jax.random.split(key, draws))
+  return {"mAP": jnp.mean(maps), "NDCG": jnp.mean(ndcgs)}
+
+
+def chance_recall(
+  num_images: int, captions_per_image: int, ks: Sequence[int] = (1, 5, 10)
+) -> dict[str, float]:
+  """Recall@K (%) of a uniformly random ranking on ``num_images`` images x ``C`` captions.
+
+  t2i: one correct image among ``N``, ``min(K / N, 1)``. i2t: ``C`` correct
+  captions among ``C N``, found unless all ``K`` top candidates are wrong,
+  ``1 - prod_{j<K} (C N - C - j) / (C N - j)`` (about ``K / N`` too).
+  """
+  n, c = num_images, captions_per_image
+  out = {}
+  for k in ks:
+    miss = 1.0
+    for j in range(min(k, c * n)):
+      miss *= max(c * n - c - j, 0) / (c * n - j)
+    out[f"i2t_R@{k}"] = 100.0 * (1.0 - miss)
+  for k in ks:
+    out[f"t2i_R@{k}"] = 100.0 * min(k / n, 1.0)
+  return out

@@ -11,23 +11,21 @@ set and the retrieval tests (on the world or read through TFDS,
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from fedjax_mm import core, data, models
 from fedjax_mm.algorithms import creamfl, creamfl_baselines, vqa
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.data import tfds as tfds_data
-from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner import validation
 from fedjax_mm.runner.creamfl_report import GROUPS, LOCAL
 from fedjax_mm.runner.errors import ConfigError
-from fedjax_mm.runner.tfds_sets import data_source, read_disjoint, reader
+from fedjax_mm.runner.validation import data_source, reader
 
 #: Every federated row: CreamFL's variants and Table 1's distillation baselines.
 ROWS = {**creamfl.VARIANTS, **creamfl_baselines.BASELINES}
@@ -102,7 +100,7 @@ def zoo_tokenizer(config) -> str | None:
 
 
 def token_space(config, encoder: str) -> str | None:
-  """The token space a text encoder reads in this run (:mod:`fedjax_mm.runner.text`).
+  """The token space a text encoder reads in this run (:mod:`fedjax_mm.core.text`).
 
   An ``hf:`` encoder's is its checkpoint; a zoo encoder's the world's ids (None), or
   on TFDS :func:`zoo_tokenizer`'s checkpoint: the paper's GRUs beside a BERT server
@@ -114,15 +112,15 @@ def token_space(config, encoder: str) -> str | None:
 
 
 def text_key(config, encoder: str) -> str:
-  """The data key of the captions ``encoder`` reads (:func:`fedjax_mm.runner.text.caption_key`)."""
+  """The data key of the captions ``encoder`` reads (:func:`fedjax_mm.core.text.caption_key`)."""
   return text_lib.caption_key(token_space(config, encoder))
 
 
 def text_spaces(config) -> tuple[str | None, ...]:
   """The distinct token spaces of a run: None (the world's ids) first, then checkpoints sorted.
 
-  The public set holds its captions in each (:func:`fedjax_mm.runner.text.in_spaces` on
-  the world, :func:`fedjax_mm.runner.text.joint_tokenizer` on TFDS).
+  The public set holds its captions in each (:func:`fedjax_mm.core.text.in_spaces` on
+  the world, :func:`fedjax_mm.core.text.joint_tokenizer` on TFDS).
   """
   return text_lib.token_spaces(text_encoders(config), lambda e: token_space(config, e))
 
@@ -130,7 +128,7 @@ def text_spaces(config) -> tuple[str | None, ...]:
 def text_sizes(config) -> dict[str, int]:
   """``vocab_size`` and ``max_len`` of the zoo's text encoders: the world's vocabulary and
   caption length, or on TFDS :func:`zoo_tokenizer`'s vocabulary (30,522 for BERT's) and
-  :data:`fedjax_mm.runner.text.HF_MAX_LEN`. (``hf:`` encoders take theirs from their folder.)"""
+  :data:`fedjax_mm.core.text.HF_MAX_LEN`. (``hf:`` encoders take theirs from their folder.)"""
   checkpoint = zoo_tokenizer(config)
   if checkpoint is None:
     return {"vocab_size": data.VOCAB_SIZE, "max_len": _world(config).max_caption_len}
@@ -250,7 +248,7 @@ def _client_data(config, name: str, group_index: int, pool=None):
   vary, ``train_size`` on average) by their class label, or for the multimodal
   clients by each image's first object class (COCO's id order; 0 when none).
   Captions are held in the group's token spaces (:func:`_group_spaces`), each under
-  its key (:func:`fedjax_mm.runner.text.caption_key`).
+  its key (:func:`fedjax_mm.core.text.caption_key`).
   """
   spec = config.clients[name]
   modalities, _ = GROUPS[name]
@@ -333,25 +331,7 @@ def num_test_images(config, available: int) -> int:
   return num
 
 
-class VqaData(NamedTuple):
-  """The VQA analogue's scenes and questions, as the server reads them.
-
-  Attributes:
-    images: ``float32 [N_train + N_test, S, S, 3]`` the training scenes, then the test scenes.
-    arguments: ``int32 [U, L]`` every distinct argument phrase (:mod:`fedjax_mm.data.vqa`),
-      as the server's text tower reads captions (world ids padded to ``L``, or the
-      ``hf:`` checkpoint's tokens).
-    train, test: ``{"image": [Q] row of images, "argument": [Q] row of arguments,
-      "type": [Q], "answer": [Q]}``, int32 each.
-  """
-
-  images: jax.Array
-  arguments: jax.Array
-  train: dict[str, jax.Array]
-  test: dict[str, jax.Array]
-
-
-def vqa_data(config) -> VqaData:
+def vqa_data(config) -> vqa.VqaData:
   """Questions about ``vqa.train_images`` and ``vqa.test_images`` fresh scenes at ``test.shift``.
 
   The scenes come from seeds of their own (``1000 seed + 4`` and ``+ 5``), disjoint from
@@ -389,34 +369,12 @@ def vqa_data(config) -> VqaData:
     }
     for name, qa in splits.items()
   }
-  return VqaData(
+  return vqa.VqaData(
     jnp.asarray(np.concatenate(scenes)), jnp.asarray(arguments), split["train"], split["test"]
   )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "features", "head"))
-def _vqa_step(graphdef, params, qa: VqaData, key, *, features: str, head: tuple):
-  """Features of the frozen server, then :func:`fedjax_mm.algorithms.vqa.evaluate`.
-
-  One program (module level, the graph and hyperparameters static): every row,
-  and a second run in the same process, reuse it.
-  """
-  image, text = vqa.server_features(nnx.merge(graphdef, params), qa.images, qa.arguments, features)
-
-  def qa_set(split):
-    return vqa.QASet(image[split["image"]], text[split["argument"]], split["type"], split["answer"])
-
-  return vqa.evaluate(
-    key,
-    qa_set(qa.train),
-    qa_set(qa.test),
-    num_types=data.vqa.NUM_TYPES,
-    num_answers=data.vqa.NUM_ANSWERS,
-    **dict(head),
-  )
-
-
-def vqa_accuracy(config, graphdef, params, qa: VqaData) -> dict[str, Any]:
+def vqa_accuracy(config, graphdef, params, qa: vqa.VqaData) -> dict[str, Any]:
   """CreamFL's Table 2 analogue for one server: accuracies (%) of the head and its baselines.
 
   Every server gets the same head initialisation and minibatches (the key is
@@ -428,7 +386,7 @@ def vqa_accuracy(config, graphdef, params, qa: VqaData) -> dict[str, Any]:
     (``{type: float}`` each); the majority's depend on the data only.
   """
   c = config.vqa
-  out = _vqa_step(
+  out = vqa.server_accuracy(
     graphdef,
     params,
     qa,
@@ -521,7 +479,7 @@ def _tfds_sets(config) -> dict[str, Any]:
   """The clients' pools, the public set and the test set read through TFDS.
 
   Every ``(dataset, split)`` is read once and cut in disjoint, seeded slices
-  (:func:`fedjax_mm.runner.tfds_sets.read_disjoint`; at most ``data.limit`` examples
+  (:func:`fedjax_mm.data.tfds.read_disjoint`; at most ``data.limit`` examples
   of a split, a pool smaller than what is asked of it shared in proportion): each
   client group asks ``num x train_size`` examples of ``data.clients.<group>``'s train
   split, the public set ``public.size`` of ``data.public``'s train split after them
@@ -530,7 +488,7 @@ def _tfds_sets(config) -> dict[str, Any]:
   cycled). Images are resized to ``image_size``; text is read once through the
   tokenizer of every token space (:func:`text_spaces`: each ``hf:`` text tower's, and
   :func:`zoo_tokenizer`'s for the zoo's) and held under each space's key
-  (:func:`fedjax_mm.runner.text.joint_tokenizer`, :func:`~fedjax_mm.runner.text.split_joint`).
+  (:func:`fedjax_mm.core.text.joint_tokenizer`, :func:`~fedjax_mm.core.text.split_joint`).
   The public set is cut to a multiple of ``creamfl.batch_size``; the test set to
   :func:`num_test_images`, its captions the server's.
 
@@ -550,7 +508,7 @@ def _tfds_sets(config) -> dict[str, Any]:
   wants.setdefault((block.public, train_split), []).append(("public", config.public.size))
   wants.setdefault((block.public, test_split), []).append(("test", max(config.test.sizes)))
   image_only = (block.clients.image, tfds_data.READERS[block.clients.image].splits[0])
-  sets = read_disjoint(
+  sets = tfds_data.read_disjoint(
     wants,
     seed=config.seed,
     data_dir=block.get("data_dir") or None,

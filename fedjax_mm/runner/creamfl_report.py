@@ -2,7 +2,7 @@
 
 The report of a run of :mod:`fedjax_mm.runner.creamfl` (:func:`report`), its
 summary over seeds (:func:`summarize`), and what both read: the chance levels
-of a random ranking (:func:`chance_recall`), the test sizes' names and folds,
+of a random ranking (:func:`fedjax_mm.metrics.retrieval.chance_recall`), the test sizes' names and folds,
 R@1_sum and RSUM. Nothing here builds data or models.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_mm import data
+from fedjax_mm import data, metrics
 from fedjax_mm.core import ledger as ledger_lib
 from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner import loop
@@ -53,27 +53,6 @@ def rsum(recall: Mapping[str, Mapping[str, float]], sizes: Sequence[int]) -> flo
   return sum(recall[size_label(n)][k] for n in sizes for k in RECALL_KEYS)
 
 
-def chance_recall(
-  num_images: int, captions_per_image: int, ks: Sequence[int] = (1, 5, 10)
-) -> dict[str, float]:
-  """Recall@K (%) of a uniformly random ranking on ``num_images`` images x ``C`` captions.
-
-  t2i: one correct image among ``N``, ``min(K / N, 1)``. i2t: ``C`` correct
-  captions among ``C N``, found unless all ``K`` top candidates are wrong,
-  ``1 - prod_{j<K} (C N - C - j) / (C N - j)`` (about ``K / N`` too).
-  """
-  n, c = num_images, captions_per_image
-  out = {}
-  for k in ks:
-    miss = 1.0
-    for j in range(min(k, c * n)):
-      miss *= max(c * n - c - j, 0) / (c * n - j)
-    out[f"i2t_R@{k}"] = 100.0 * (1.0 - miss)
-  for k in ks:
-    out[f"t2i_R@{k}"] = 100.0 * min(k / n, 1.0)
-  return out
-
-
 def fold_images(config, num_test: int | None = None) -> dict[str, int]:
   """Images per fold of each test size: ``s`` itself, or ``N / folds`` when ``N < max(sizes)``."""
   sizes = tuple(config.test.sizes)
@@ -87,9 +66,9 @@ def chance_levels(config, num_test: int | None = None) -> dict[str, dict[str, fl
   ``num_test``: the test images read (:func:`num_test_images`; None: ``max(test.sizes)``).
   """
   c = data.WorldConfig().captions_per_image
-  out = {k: chance_recall(n, c) for k, n in fold_images(config, num_test).items()}
+  out = {k: metrics.retrieval.chance_recall(n, c) for k, n in fold_images(config, num_test).items()}
   if config.test.private_size:
-    out["private"] = chance_recall(config.test.private_size, c)
+    out["private"] = metrics.retrieval.chance_recall(config.test.private_size, c)
   return out
 
 
@@ -111,7 +90,7 @@ def protocol_of(config, num_test: int | None = None) -> dict[str, Any]:
 
 
 def vqa_protocol(config, qa) -> dict[str, Any]:
-  """How the VQA analogue was run (``qa``: the run's :class:`~fedjax_mm.runner.creamfl.VqaData`)."""
+  """How the VQA analogue was run (``qa``: the run's :class:`~fedjax_mm.algorithms.vqa.VqaData`)."""
   test_types = np.bincount(np.asarray(qa.test["type"]), minlength=data.vqa.NUM_TYPES)
   return {
     "train_images": config.vqa.train_images,

@@ -78,7 +78,7 @@ from fedjax_mm.runner.fedmuscle_data import (
   unaligned_users,
 )
 from fedjax_mm.runner.fedmuscle_report import _delta
-from fedjax_mm.runner.tfds_sets import data_source
+from fedjax_mm.runner.validation import data_source
 
 #: The metrics.jsonl keys of per-user values a method's round reports (``<user>/<key>``):
 #: losses, and the share of the public set a pseudo-labelling user trained on (SAGE: whose
@@ -134,12 +134,10 @@ def validate(config) -> tuple[User, ...]:
       "public.max_objects and public.min_visible apply to the world's public set only "
       f"(data.source='world'); data.source is {data_source(config)!r}."
     )
-  if config.rounds < 1:
-    raise ConfigError(f"rounds must be >= 1, got {config.rounds}.")
-  if not isinstance(config.get("cache_features", True), bool):
-    raise ConfigError(f"cache_features must be True or False, got {config.cache_features!r}.")
   if not isinstance(config.lora_rank, int) or config.lora_rank < 0:
     raise ConfigError(f"lora_rank must be an int >= 0, got {config.lora_rank!r}.")
+  if not isinstance(config.get("cache_features", True), bool):
+    raise ConfigError(f"cache_features must be True or False, got {config.cache_features!r}.")
   for u in users:
     if _fine_tune(config, config.users[u.index]) not in FINE_TUNE:
       raise ConfigError(
@@ -297,65 +295,18 @@ def algorithms(config, users, groups, raw_groups=None) -> dict[str, Any]:
 
 
 def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``.
-
-  * SAGE: a user with another user of its task uploads the parameters it
-    averages (its head; every trained parameter when it also has an
-    architecture partner) and downloads their average; a user alone in its
-    task sends nothing.
-  * CoFED: every voting user uploads ``int32 [P, H]`` votes and downloads
-    ``int32 [P, H]`` pseudo-labels (``H`` = 1, or the labels of a multi-label
-    user); segmentation users take no part.
-  * FedDF: a user with a partner (another user of its task) uploads its trained
-    parameters and downloads its prototype's distilled ones; a user alone in its
-    task sends nothing.
-  * FedRCL: a user with another user of its task and architecture uploads and
-    downloads its parameters; a user alone in its class sends nothing (its
-    average would be itself).
-  * FedHeNN: every user uploads its ``[R, R]`` float32 kernel of the alignment
-    set and downloads the server's ``K_bar``, of the same size.
-  """
-  params = np.array([ledger_lib.tree_bytes(s.params) for s in states], np.int64)  # K = 1 each
-  tasks = [u.task for u in users]
-  archs = [_architecture(config, u) for u in users]
-  partner = np.array([tasks.count(t) > 1 for t in tasks])
-  same_class = list(zip(tasks, archs, strict=True))
-  classmate = np.array([same_class.count(c) > 1 for c in same_class])
+  """Bytes each user sends and receives per round under each baseline: ``{m: (up, down)}``
+  (:func:`fedjax_mm.algorithms.cost.method_bytes` on the run's users)."""
   rad = _baseline_config(config, "fedhenn").get("rad_size", fedhenn.FedHeNNConfig.rad_size)
-  kernel = np.full(len(users), 4 * rad * rad, np.int64)
-  num_public = config.public.size
-  votes = np.array(
-    [
-      ledger_lib.tree_bytes(cofed.messages(cofed.world_statements(_task(u)), num_public)[:1])
-      for u in users
-    ],
-    np.int64,
+  return cost_lib.method_bytes(
+    methods,
+    states,
+    [u.task for u in users],
+    [_architecture(config, u) for u in users],
+    [cofed.world_statements(_task(u)) for u in users],
+    rad_size=rad,
+    num_public=config.public.size,
   )
-  shared = _sage_bytes(states, tasks, archs)
-  out = {
-    "sage": (shared, shared),
-    "cofed": (votes, votes),
-    "feddf": (params * partner, params * partner),
-    "fedrcl": (params * classmate, params * classmate),
-    "fedhenn": (kernel, kernel),
-    # Each user alone: nothing crosses the wire (a ledger of zeros, not a missing one).
-    "simclr": (np.zeros(len(users), np.int64),) * 2,
-    "pseudo_label": (np.zeros(len(users), np.int64),) * 2,
-  }
-  return {m: v for m, v in out.items() if m in methods}
-
-
-def _sage_bytes(states, tasks, archs) -> np.ndarray:
-  """Per user, the bytes of the parameters SAGE averages (each way); 0 for a user alone in its task."""
-  partners = sage.averaged_leaves([s.params for s in states], tasks, archs)
-  out = []
-  for s, (arch, head) in zip(states, partners, strict=True):
-    whole = len(arch) > 1  # an architecture partner: every trained parameter
-    sent = jax.tree_util.tree_map_with_path(
-      lambda path, x, whole=whole: x if whole or sage.is_head(path) else None, s.params
-    )
-    out.append(ledger_lib.tree_bytes(sent) if len(set(arch + head)) > 1 else 0)
-  return np.array(out, np.int64)
 
 
 def experiment(config) -> loop.Experiment:

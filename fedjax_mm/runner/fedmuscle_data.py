@@ -21,12 +21,12 @@ from fedjax_mm import core, data, models
 from fedjax_mm.algorithms import (
   fedhenn,
 )
+from fedjax_mm.core import text as text_lib
 from fedjax_mm.data import tfds as tfds_data
-from fedjax_mm.runner import text as text_lib
 from fedjax_mm.runner import validation
 from fedjax_mm.runner.errors import ConfigError
-from fedjax_mm.runner.tfds_sets import data_source, read_disjoint
-from fedjax_mm.runner.tfds_sets import reader as _reader
+from fedjax_mm.runner.validation import data_source
+from fedjax_mm.runner.validation import reader as _reader
 
 #: Task name -> (kind, input key, target key, outputs on the world, head). With
 #: ``data.source = "tfds"`` the outputs are the classes of the task's dataset
@@ -176,7 +176,7 @@ def _reads_text(u: User) -> bool:
 
 
 def text_spaces(users: Sequence[User]) -> tuple[str | None, ...]:
-  """The token spaces the text users read (:func:`fedjax_mm.runner.text.token_spaces`).
+  """The token spaces the text users read (:func:`fedjax_mm.core.text.token_spaces`).
 
   Each is held as its own tokenisation of the same captions, the public set's once per
   space; None is the world's ids, a checkpoint's name its tokenizer's.
@@ -269,7 +269,7 @@ def _tfds_sets(config, users: Sequence[User]):
   what is asked of it is shared in proportion (each set at least one example:
   else :class:`ConfigError`). Images are resized to ``data.image_size``; text
   goes through the tokenizer of every hf: checkpoint the text users read, each
-  under its own key (:func:`fedjax_mm.runner.text.caption_key`; a text user
+  under its own key (:func:`fedjax_mm.core.text.caption_key`; a text user
   keeps its own), from one read of the dataset.
   """
   block = config.data
@@ -298,7 +298,7 @@ def _tfds_sets(config, users: Sequence[User]):
     )
     return tokenizer if texts else None
 
-  sets = read_disjoint(
+  sets = tfds_data.read_disjoint(
     wants,
     seed=config.seed,
     data_dir=data_dir,

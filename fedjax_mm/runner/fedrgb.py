@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_mm import core, losses, metrics, models
+from fedjax_mm import core, losses, models
 from fedjax_mm.algorithms import fedrgb as alg
 from fedjax_mm.algorithms import fedrgb_eval
 from fedjax_mm.core import processes
@@ -302,16 +302,6 @@ def build(config) -> dict[str, Any]:
   }
 
 
-def retrieval(z_i: jax.Array, z_t: jax.Array, gallery: int) -> dict[str, jax.Array]:
-  """R@K of pairs ``(z_i[j], z_t[j])`` in percent: both directions, and t2i per gallery batch."""
-  n = z_i.shape[0]
-  ids = jnp.arange(n)
-  out = metrics.image_text_recall(z_i, z_t, ids, ks=KS)
-  used = n // gallery * gallery
-  batched = metrics.image_text_recall(z_i[:used], z_t[:used], ids[:used], ks=KS, folds=n // gallery)
-  return out | {f"gallery_t2i_R@{k}": batched[f"t2i_R@{k}"] for k in KS}
-
-
 def experiment(config) -> loop.Experiment:
   setup = build(config)
   algorithms, states0 = setup["algorithms"], setup["states"]
@@ -357,137 +347,36 @@ def experiment(config) -> loop.Experiment:
   embedder = setup["base"]
   unstacked_ndim = jax.tree.leaves(setup["base_state"].aligner)[0].ndim
 
-  def score(enc, al, b):
-    embed = lambda x: embedder.embed(enc, al, x["images"], x["captions"])  # noqa: E731
-    return retrieval(*core.client.apply_in_batches(embed, b, EVAL_BATCH), gallery)
+  evaluate_jit = jax.jit(
+    functools.partial(
+      fedrgb_eval.evaluate, embedder, gallery=gallery, batch_size=EVAL_BATCH, ks=KS
+    ),
+    static_argnums=0,
+  )
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def evaluate_jit(local, encoder, aligner, test, ood):
-    axes = 0 if local else None
-    own = jax.vmap(score, in_axes=(axes, axes, 0))(encoder, aligner, test)
-    if local:  # every client's model on the shared OOD pairs, averaged
-      # One client at a time: vmapped, each block of similarities (chunk x OOD pairs) was
-      # formed for all K clients at once, K times the memory.
-      shifted = jax.lax.map(lambda m: score(*m, ood), (encoder, aligner))
-      shifted = jax.tree.map(jnp.mean, shifted)
-    else:
-      shifted = score(encoder, aligner, ood)
-    return own, shifted
-
-  # -- after the last round: distortion (Tables 6 / 11) and downstream fine-tuning ----------
-  dist_cfg, down_cfg = config.distortion, config.downstream
+  # After the last round: distortion (Tables 6 / 11), downstream fine-tuning, segmentation.
+  dist_cfg, down_cfg, seg_cfg = config.distortion, config.downstream, config.segmentation
+  down = setup["downstream"]
+  fractions = [float(f) for f in down_cfg.fractions]
+  final = fedrgb_eval.FinalEvaluation(
+    embedder,
+    mesh,
+    data,
+    down,
+    DOWNSTREAM,
+    seed=int(config.seed),
+    distortion_steps=int(dist_cfg.steps),
+    fractions=fractions,
+    downstream={k: down_cfg[k] for k in ("steps", "batch_size", "learning_rate", "train_encoder")},
+    segmentation={k: seg_cfg[k] for k in ("steps", "batch_size", "learning_rate", "width")},
+    name_fraction=fraction_label,
+  )
   dist_steps = int(dist_cfg.steps)
-  dist_key = jax.random.key(config.seed + 19)  # the same client draws for every method
-
-  @functools.partial(jax.jit, static_argnums=0)
-  @functools.partial(traced_in, mesh)  # the clients' retraining: map_clients, as in a round
-  def distortion_jit(a, encoder, aligner, teacher, decoder, train, mask, test):
-    return fedrgb_eval.distortion_matrix(
-      a, encoder, aligner, teacher, dist_key, train, mask, test, steps=dist_steps, decoder=decoder
-    )
 
   def distortion(m, s) -> dict[str, Any]:
-    out, seen = {}, {}
-    for retrain in dist_cfg.retrain:
-      a = fedrgb_eval.retrainer(algorithms[m], retrain)
-      if a in seen:  # FedAvg's own update is L_task: the same retraining, not rerun
-        out[retrain] = out[seen[a]]
-        continue
-      seen[a] = retrain
-      d = {
-        n: np.asarray(v, np.float64)
-        for n, v in processes.gather(
-          distortion_jit(
-            a,
-            s.encoder,
-            s.aligner,
-            s.teacher,
-            s.decoder,
-            *(data[k] for k in ("train", "mask", "test")),
-          )
-        ).items()
-      }
-      out[retrain] = {
-        "matrix": d["matrix"].tolist(),
-        "summary": fedrgb_eval.summarize_distortion(d["matrix"]),
-        "paired_cosine": float(d["before"].mean()),
-        "unpaired_cosine": float(d["unpaired"].mean()),
-      }
-    return out
+    return final.distortion(algorithms[m], s, dist_cfg.retrain)
 
-  down = setup["downstream"]
-  down_key = jax.random.key(config.seed + 17)
-  fractions = [float(f) for f in down_cfg.fractions]
-
-  # Both tasks (and both fractions) in one program: the tasks' labels stacked, the binary
-  # task's missing third class masked out of its logits.
-  tasks = list(DOWNSTREAM)
-  num_classes = max(c for c, _ in DOWNSTREAM.values())
-  valid = jnp.asarray([np.arange(num_classes) < DOWNSTREAM[t][0] for t in tasks])
-  stacked = lambda labels: jnp.asarray(np.stack([labels[t] for t in tasks]))
-  # The labelled scenes, passed to the jitted evaluations as arguments (like the rounds' data).
-  scenes = {
-    k: down[k] for k in ("images", "masks", "test_images", "seg_targets", "seg_test_targets")
-  }
-  scenes |= {"labels": stacked(down["labels"]), "test_labels": stacked(down["test_labels"])}
-  if devices > 1:
-    scenes = core.replicate(scenes, mesh)
-
-  @jax.jit
-  def finetune_jit(encoder, aligner, d):
-    def one(y, y_test, classes):
-      return fedrgb_eval.finetune_accuracy(
-        embedder,
-        encoder,
-        aligner,
-        down_key,
-        d["images"],
-        y,
-        d["masks"],
-        d["test_images"],
-        y_test,
-        num_classes=num_classes,
-        steps=int(down_cfg.steps),
-        batch_size=int(down_cfg.batch_size),
-        learning_rate=float(down_cfg.learning_rate),
-        train_encoder=down_cfg.train_encoder,
-        classes=classes,
-      )
-
-    return jax.vmap(one)(d["labels"], d["test_labels"], valid)
-
-  def downstream(encoder, aligner) -> dict[str, dict[str, float]]:
-    acc = np.asarray(processes.gather(finetune_jit(encoder, aligner, scenes)))  # [tasks, fractions]
-    return {
-      t: {fraction_label(f): float(v) for f, v in zip(fractions, acc[i], strict=True)}
-      for i, t in enumerate(tasks)
-    }
-
-  # Segmentation on the same labelled scenes and fractions: a decoder on the frozen tower.
-  seg_cfg = config.segmentation
-  seg_key = jax.random.key(config.seed + 29)  # the same decoder start and draws for every row
-
-  @jax.jit
-  def segment_jit(encoder, aligner, d):
-    return fedrgb_eval.segmentation_dice(
-      embedder,
-      encoder,
-      aligner,
-      seg_key,
-      d["images"],
-      d["seg_targets"],
-      d["masks"],
-      d["test_images"],
-      d["seg_test_targets"],
-      steps=int(seg_cfg.steps),
-      batch_size=int(seg_cfg.batch_size),
-      learning_rate=float(seg_cfg.learning_rate),
-      width=int(seg_cfg.width),
-    )
-
-  def segmentation(encoder, aligner) -> dict[str, float]:
-    dice = np.asarray(processes.gather(segment_jit(encoder, aligner, scenes)))  # [fractions]
-    return {fraction_label(f): 100.0 * float(v) for f, v in zip(fractions, dice, strict=True)}
+  downstream, segmentation = final.downstream, final.segmentation
 
   def evaluate(loop_state) -> dict[str, Any]:
     s, m = loop_state["rgb"], methods[int(loop_state["row"])]
@@ -635,7 +524,6 @@ __all__ = [
   "build",
   "categories",
   "experiment",
-  "retrieval",
   "run",
   "segmentation_target",
   "validate",

@@ -28,45 +28,24 @@ Everything is validated before anything is computed: a bad config raises
 :class:`ConfigError` with a one-line message (``experiments/main.py`` prints
 it and exits with status 2).
 
-Features of the embedded world. The paper feeds 4096-d VGG-19 fc7 image
-features and 1024-d sentence-BERT text features, from networks pretrained
-elsewhere. By default (``features.image_encoder="world-clip/cnn_m"``), both come
-from frozen World-CLIP encoders pretrained on the world's web split
-(:func:`pretrained_features`): cnn_m, the shipped encoder that knows the primary
-object's shape (this benchmark's label), and transformer_t. The earlier
-stand-in remains (``features.image_encoder="" features.text_encoder=transformer_t``,
-:func:`world_features`):
-the text side is a frozen, randomly initialised text encoder of
-:mod:`fedjax_mm.models` (``features.text_encoder``) applied to one caption
-per image (chosen at random, seeded), mean-pooled. The image side cannot be a
-randomly initialised image encoder: with the world's random textures, colours,
-sizes and positions, pooled features of a frozen random ``cnn_s`` / ``cnn_m`` /
-``resnet_t`` (or a random projection of the pixels) let a logistic regression
-find the primary shape no better than chance (11-15% for 10 classes, measured
-on 1,000 / 500 pairs), where VGG features of real photos are strongly
-informative. The image features therefore simulate a pretrained extractor: a
-fixed seeded random projection of the image's per-shape pixel areas (read from
-its segmentation mask, so several objects mix, the largest dominating) plus
-Gaussian noise; the same logistic regression reaches about 86% on them, the
-text features about 82%.
+Features: :func:`fedjax_mm.core.features.pretrained_features` (frozen World-CLIP
+encoders, the default) or :func:`fedjax_mm.core.features.world_features` (the stand-in).
 """
 
 from __future__ import annotations
 
-import math
 import pathlib
 import zipfile
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from fedjax_mm import core, data, metrics, models
 from fedjax_mm.algorithms import fedscmr as alg_lib
+from fedjax_mm.core import features as features_lib
 from fedjax_mm.core import processes
 from fedjax_mm.data.cross_modal import (
   PairedFeatures,
@@ -78,12 +57,6 @@ from fedjax_mm.models.scmr import ScmrModel
 from fedjax_mm.runner import fedscmr_report, loop, validation
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.fedscmr_report import METHODS, _headline
-
-#: Text feature extractors: ``"bow"`` (numpy, a fixed random projection of word counts) or a
-#: frozen, randomly initialised text encoder of :mod:`fedjax_mm.models`.
-TEXT_ENCODERS = ("bow",) + tuple(
-  name for name, (modality, _) in models.ENCODERS.items() if modality == "text"
-)
 
 
 def method_config(config, method: str, num_classes: int) -> alg_lib.ScmrConfig:
@@ -143,9 +116,9 @@ def validate(config) -> None:
       if cfg["modality"] != key.split("_")[0]:
         raise ConfigError(f"features.{key}: {f[key]!r} is a {cfg['modality']} encoder.")
   else:
-    if f.text_encoder not in TEXT_ENCODERS:
+    if f.text_encoder not in features_lib.TEXT_FEATURES:
       raise ConfigError(
-        f"features.text_encoder: unknown {f.text_encoder!r}; known: {', '.join(TEXT_ENCODERS)}."
+        f"features.text_encoder: unknown {f.text_encoder!r}; known: {', '.join(features_lib.TEXT_FEATURES)}."
       )
     num_classes = data.NUM_SHAPES
     for c in clients:
@@ -164,102 +137,6 @@ def validate(config) -> None:
 
 # ---------------------------------------------------------------------------
 # Features
-
-
-def world_features(
-  seed: int, num: int, *, image_dim: int = 64, image_noise: float = 0.5, text_encoder: str
-) -> PairedFeatures:
-  """``num`` labelled pairs of the embedded world as fixed feature vectors.
-
-  See the module docstring. Deterministic in ``seed``; labels are the world's
-  ``retrieval_label`` (the primary object's shape, 10 classes).
-
-  Args:
-    seed: integer seed of the world, the projection, the noise, the caption
-      choice and the text encoder's initialisation.
-    num: number of pairs.
-    image_dim: dimension of the image features.
-    image_noise: standard deviation of the noise on the image features, whose
-      noise-free norm is about 1.
-    text_encoder: ``"bow"`` or the name of a text encoder in
-      :data:`fedjax_mm.models.ENCODERS` (see :data:`TEXT_ENCODERS`).
-
-  Returns:
-    :class:`~fedjax_mm.data.cross_modal.PairedFeatures`.
-  """
-  world = data.generate(seed, num)
-  rng = np.random.default_rng([seed, 7])
-  masks = world["mask"].reshape(num, -1)
-  areas = np.stack([(masks == 1 + s).mean(1) for s in range(data.NUM_SHAPES)], axis=1)
-  areas /= np.maximum(areas.sum(1, keepdims=True), 1e-12)
-  projection = rng.normal(size=(data.NUM_SHAPES, image_dim)) / math.sqrt(image_dim)
-  image = areas @ projection + image_noise * rng.normal(size=(num, image_dim)) / math.sqrt(
-    image_dim
-  )
-  choice = rng.integers(0, world["caption"].shape[1], size=num)
-  captions = world["caption"][np.arange(num), choice]
-  if text_encoder == "bow":
-    return PairedFeatures(
-      image=image, text=_bag_of_words(rng, captions), labels=world["retrieval_label"]
-    )
-  graphdef, params = _init_jitted(
-    lambda rngs: models.build_encoder(
-      text_encoder, rngs=rngs, vocab_size=data.VOCAB_SIZE, max_len=captions.shape[1]
-    ),
-    jax.random.key(seed),
-  )
-  encode = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0])
-  text = np.asarray(core.client.apply_in_batches(lambda x: encode(params, x), captions, 512))
-  return PairedFeatures(image=image, text=text, labels=world["retrieval_label"])
-
-
-def pretrained_features(
-  seed: int, num: int, *, image_encoder: str, text_encoder: str
-) -> PairedFeatures:
-  """``num`` labelled pairs of the world through frozen pretrained encoders.
-
-  The paper's setting: VGG-19 fc7 image features and sentence-BERT text
-  features, both from networks pretrained elsewhere. Here both come from the
-  World-CLIP checkpoints (:mod:`fedjax_mm.zoo.pretrain`), pretrained on the
-  web split, which shares no seed with this pool: the pooled output of the
-  frozen image encoder on each image, and of the frozen text encoder on one
-  caption per image (chosen at random, seeded).
-
-  Args:
-    seed: integer seed of the world and of the caption choice.
-    num: number of pairs.
-    image_encoder: a checkpoint name or folder (``"world-clip/vit_s"``).
-    text_encoder: a checkpoint name or folder (``"world-clip/transformer_s"``).
-  """
-  world = data.generate(seed, num)
-  rng = np.random.default_rng([seed, 7])
-  choice = rng.integers(0, world["caption"].shape[1], size=num)
-  captions = world["caption"][np.arange(num), choice]
-  return PairedFeatures(
-    image=_frozen_features(image_encoder, world["image"]),
-    text=_frozen_features(text_encoder, captions),
-    labels=world["retrieval_label"],
-  )
-
-
-def _frozen_features(checkpoint: str, x: np.ndarray) -> np.ndarray:
-  """Pooled outputs ``[n, h]`` of the checkpoint's encoder on ``x``, in batches of 512."""
-  cfg = models.pretrained.read_config(checkpoint)
-  sizes = {k: cfg[k] for k in models.pretrained.size_keys(cfg["modality"])}
-  encoder = models.build_encoder(cfg["encoder"], rngs=nnx.Rngs(0), **sizes)
-  models.pretrained.load_into(encoder, checkpoint)
-  graphdef, params = nnx.split(encoder)
-  encode = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0])
-  return np.asarray(core.client.apply_in_batches(lambda x: encode(params, x), x, 512))
-
-
-def _bag_of_words(rng: np.random.Generator, captions: np.ndarray, dim: int = 64) -> np.ndarray:
-  """``[n, dim]`` text features: ReLU of a fixed random projection of word counts (no PAD)."""
-  counts = np.zeros((captions.shape[0], data.VOCAB_SIZE), np.float32)
-  np.add.at(counts, (np.arange(captions.shape[0])[:, None], captions), 1.0)
-  counts[:, data.PAD_ID] = 0
-  projection = rng.normal(size=(data.VOCAB_SIZE, dim)) / math.sqrt(dim)
-  return np.maximum(counts @ projection, 0)
 
 
 def _feature_file(path: str) -> tuple[PairedFeatures, int]:
@@ -308,11 +185,11 @@ def _features(config) -> tuple[PairedFeatures, int]:
   # Labels are close to uniform: draw enough for the most demanded class, with margin.
   num = int(1.4 * num_classes * demand.max()) + 50
   if f.image_encoder:
-    pool = pretrained_features(
+    pool = features_lib.pretrained_features(
       config.seed * 1000 + 31, num, image_encoder=f.image_encoder, text_encoder=f.text_encoder
     )
   else:
-    pool = world_features(
+    pool = features_lib.world_features(
       config.seed * 1000 + 31,
       num,
       image_dim=f.image_dim,
@@ -397,7 +274,7 @@ def build(config) -> Setup:
   make = lambda rngs: ScmrModel(
     image_dim, text_dim, num_classes, hidden=config.model.hidden, dim=config.model.dim, rngs=rngs
   )
-  group, state = init_clients(
+  group, state = core.client.init_identical_group(
     make,
     tx=optax.adam(config.learning_rate),
     task=core.Task("classification", "image", "label", num_classes),
@@ -411,87 +288,27 @@ def build(config) -> Setup:
   return Setup(group, state, *client_data, shared_test, num_classes, classes)
 
 
-def _init_jitted(make, key):
-  """``(graphdef, params)`` of ``make(nnx.Rngs(key))``, initialised in one compiled call.
-
-  Built eagerly, a model's initialisation dispatches (and on CPU compiles) one
-  small computation per operation, seconds for a few layers; under ``jit`` it
-  is one.
-  """
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-  params = jax.jit(lambda k: nnx.split(make(nnx.Rngs(k)))[1])(key)
-  return graphdef, params
-
-
-def init_clients(make, *, tx, task, key, num_clients, local_epochs, batch_size, client_map="auto"):
-  """A group of ``num_clients`` identical models: :func:`fedjax_mm.core.init_group`
-  with ``same_init=True`` (same key use, so the same parameters), jitted."""
-  init_key, rng_key = jax.random.split(key)
-  graphdef, params = _init_jitted(make, init_key)
-  stack = jax.jit(
-    lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape), p)
-  )
-  params = stack(params)
-  state = core.ClientState(
-    params=params,
-    opt_state=jax.jit(jax.vmap(tx.init))(params),
-    rng=jax.random.split(rng_key, num_clients),
-    shared=nnx.State({}),
-  )
-  group = core.GroupDef(
-    name="scmr",
-    graphdef=graphdef,
-    tx=tx,
-    task=task,
-    local_epochs=local_epochs,
-    batch_size=batch_size,
-    client_map=client_map,
-  )
-  return group, state
-
-
 # ---------------------------------------------------------------------------
 # The experiment
 
 
-def chance_level(
-  labels: jax.Array, mask: jax.Array, *, ns: Sequence[int], key: jax.Array, draws: int = 32
-) -> dict[str, float]:
-  """mAP@N and NDCG@N of a random ranking on ONE test set, averaged over ``ns`` and draws.
-
-  Queries and database are i.i.d. Gaussian embeddings (cosine similarity then
-  ranks the database uniformly at random), scored with the same metrics as
-  the systems; both directions are the same in distribution.
-
-  Args:
-    labels: ``int [n]`` labels of the test pairs.
-    mask: ``bool [n]`` valid pairs.
-    ns: the ``N`` of mAP@N / NDCG@N.
-    key: PRNG key.
-    draws: random rankings averaged.
-
-  Returns:
-    ``{"mAP": m, "NDCG": g}``.
-  """
-
-  def one(k):
-    q, d = jax.random.normal(k, (2, labels.shape[0], 8))
-    kw = dict(query_where=mask, database_where=mask)
-    maps = [metrics.map_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
-    ndcgs = [metrics.ndcg_at_n(q, d, labels, labels, n=n, **kw) for n in ns]
-    return jnp.mean(jnp.stack(maps)), jnp.mean(jnp.stack(ndcgs))
-
-  maps, ndcgs = jax.jit(jax.vmap(one))(jax.random.split(key, draws))
-  return {"mAP": float(jnp.mean(maps)), "NDCG": float(jnp.mean(ndcgs))}
+def _floats(values: dict[str, jax.Array]) -> dict[str, float]:
+  return {k: float(v) for k, v in values.items()}
 
 
 def _chance(setup: Setup, ns, seed: int) -> dict[str, dict[str, float]]:
   """Chance levels of both protocols (own-class: the mean over clients)."""
   key = jax.random.fold_in(jax.random.key(seed), 20_000)
   labels = setup.shared_test["label"]
-  shared = chance_level(labels, jnp.ones(labels.shape, bool), ns=ns, key=key)
+  shared = _floats(
+    metrics.retrieval.random_ranking(labels, jnp.ones(labels.shape, bool), ns=ns, key=key)
+  )
   own = [
-    chance_level(setup.test.arrays["label"][k], setup.test.sample_mask[k], ns=ns, key=key)
+    _floats(
+      metrics.retrieval.random_ranking(
+        setup.test.arrays["label"][k], setup.test.sample_mask[k], ns=ns, key=key
+      )
+    )
     for k in range(setup.test.num_clients)
   ]
   return {

@@ -28,6 +28,7 @@ no upload.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fedjax_mm import core, metrics
+from fedjax_mm import core
 from fedjax_mm.algorithms import rcsr as alg
 from fedjax_mm.core import processes
 from fedjax_mm.core.sharding import replicated, traced_in
@@ -219,20 +220,6 @@ def build(config):
   }
 
 
-def recall(z_i: jax.Array, z_t: jax.Array) -> dict[str, jax.Array]:
-  """R@K of pairs ``(z_i[j], z_t[j])``: both directions, in percent.
-
-  A query's rank is the number of candidates strictly more similar than its own
-  pair (:func:`fedjax_mm.metrics.image_text_recall` with one caption per image,
-  which forms the similarities ``chunk_size`` queries at a time, never all
-  ``n x n`` of them).
-  """
-  out = metrics.image_text_recall(z_i, z_t, jnp.arange(z_i.shape[0]), ks=KS)
-  for k in KS:
-    out[f"R@{k}"] = (out[f"i2t_R@{k}"] + out[f"t2i_R@{k}"]) / 2
-  return out
-
-
 def experiment(config) -> loop.Experiment:
   setup = build(config)
   spec, frozen = setup["spec"], setup["frozen"]
@@ -301,48 +288,7 @@ def experiment(config) -> loop.Experiment:
   def step(m):
     return lambda s: round_jit(algs[m].round, s, data)
 
-  @jax.jit
-  def evaluate_jit(s, test, g, frozen):
-    cs = s.method.client_scale
-
-    def embeddings(params, personal, pairs, client_scale=None):
-      # spec.eval_batch pairs at a time: the whole set at once held every layer's activations.
-      return alg.client_embeddings(
-        spec, frozen, params, personal, pairs["image"], pairs["caption"], client_scale
-      )
-
-    def own_params(previous):
-      # FedPer's clients are scored with their own adapters + heads.
-      return jax.tree.map(lambda p, q: jnp.where(s.method.fedper, q, p), s.params, previous)
-
-    def client(personal, previous, arrays, wr):
-      params = own_params(previous)
-      model = spec.merge(params, personal, frozen)
-      z_i, z_t = embeddings(params, personal, arrays, cs)
-      s_k = alg.strength(spec, s.method, wr)
-      p_i, p_t = model.personalise(z_i, s_k), model.personalise(z_t, s_k)
-      # How far the personal adapter moves the embeddings: mean ||z~ - z|| (unit vectors).
-      shift = (
-        jnp.linalg.norm(p_i - z_i, axis=-1).mean() + jnp.linalg.norm(p_t - z_t, axis=-1).mean()
-      ) / 2
-      z_i = jnp.where(s.method.personal, p_i, z_i)
-      z_t = jnp.where(s.method.personal, p_t, z_t)
-      return recall(z_i, z_t) | {"personal_shift": jnp.where(s.method.personal, shift, 0.0)}
-
-    own = jax.vmap(client)(s.personal, s.previous, test, s.last_wr)
-
-    def shared():
-      # The shared model alone (RCSR-p's and pFedMMA's client parts off).
-      return recall(*embeddings(s.params, jax.tree.map(lambda x: x[0], s.personal), g))
-
-    def mean_of_clients():
-      # FedPer has no shared model: the mean over the N clients' own models.
-      def one(previous):
-        return recall(*embeddings(previous, jax.tree.map(lambda x: x[0], s.personal), g))
-
-      return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, s.previous))
-
-    return own, jax.lax.cond(s.method.fedper, mean_of_clients, shared)
+  evaluate_jit = jax.jit(functools.partial(alg.evaluate, spec, ks=KS))
 
   def evaluate(s) -> dict[str, Any]:
     # Run on the state's mesh, read whole here (gathered, in a job of several processes).
@@ -476,4 +422,4 @@ SYSTEM = loop.System(
 )
 run = SYSTEM.run
 
-__all__ = ["SYSTEM", "TABLE", "build", "experiment", "recall", "run", "validate"]
+__all__ = ["SYSTEM", "TABLE", "build", "experiment", "run", "validate"]

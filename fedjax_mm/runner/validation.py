@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fedjax_mm.core.faults import Faults
+from fedjax_mm.data import tfds as tfds_data
 from fedjax_mm.runner.errors import ConfigError
 
 __all__ = [
@@ -63,7 +64,9 @@ __all__ = [
   "check_methods",
   "check_numbers",
   "check_pretrained",
+  "data_source",
   "numeric_fields",
+  "reader",
 ]
 
 
@@ -535,8 +538,6 @@ def check_data(config: Any, reads: Iterable[tuple[str, str]] | None = None) -> t
     return ()
   if source != "tfds":
     raise ConfigError(f"data.source must be 'world' or 'tfds', got {source!r}.")
-  from fedjax_mm.data import tfds as tfds_data  # tensorflow-datasets, only when named
-
   if reads is None:
     reads = [(name, block.get("split", "train")) for name in block.get("datasets", ())]
   reads = tuple(dict.fromkeys(reads))
@@ -656,3 +657,18 @@ PRETRAIN: dict[str, Range] = {
   "eval_pairs": Range(10, integer=True),
   "stats_size": Range(2, integer=True),  # <= web.size: the runner's check
 }
+
+
+def data_source(config) -> str:
+  """``config.data.source``: ``"world"`` (also for a config without a ``data`` block) or ``"tfds"``."""
+  block = config.get("data") if hasattr(config, "get") else None
+  return "world" if block is None else block.get("source", "world")
+
+
+def reader(where: str, name: str) -> tfds_data.Reader:
+  """The :class:`~fedjax_mm.data.tfds.Reader` of ``name``; ``where`` names the config key in errors."""
+  if name not in tfds_data.READERS:
+    raise ConfigError(
+      f"{where}: unknown TFDS dataset {name!r}; known: {', '.join(tfds_data.READERS)}."
+    )
+  return tfds_data.READERS[name]

@@ -27,7 +27,6 @@ import numpy as np
 
 from fedjax_mm import data, models
 from fedjax_mm.core import tasks
-from fedjax_mm.runner.errors import ConfigError
 
 #: Caption length in a checkpoint's tokens: the world's captions are at most 16 words;
 #: word pieces and [CLS] / [SEP] need more.
@@ -131,13 +130,13 @@ def retokenize(captions: np.ndarray, checkpoint: str, max_len: int = HF_MAX_LEN)
   with 0 = the zoo's and BERT's PAD, truncated to ``max_len``).
 
   Raises:
-    ConfigError: the tokenizer pads with another id than the zoo's 0.
+    fedjax_mm.models.hf.HfError: the tokenizer pads with another id than the zoo's 0.
   """
   captions = np.asarray(captions)
   texts = data.world.decode(captions.reshape(-1, captions.shape[-1]))
   tok = _tokenizer(checkpoint)
   if tok.pad_token_id != models.hf.PAD_ID:
-    raise ConfigError(
+    raise models.hf.HfError(
       f"{checkpoint}: its tokenizer pads with id {tok.pad_token_id}, the zoo expects "
       f"{models.hf.PAD_ID}."
     )
