@@ -13,6 +13,7 @@ import pytest
 import rounding
 
 from experiments import rcsr as rcsr_config
+from fedjax_mm.algorithms import rcsr as rcsr_alg
 from fedjax_mm.core import cost
 from fedjax_mm.runner import rcsr as runner
 from fedjax_mm.runner.errors import ConfigError
@@ -169,7 +170,7 @@ def test_recall_equals_the_whole_similarity_matrix():
   diag = np.diagonal(sims)
   rank_i2t = (sims > diag[:, None]).sum(1)
   rank_t2i = (sims > diag[None, :]).sum(0)
-  got = runner.recall(jax.numpy.asarray(z_i), jax.numpy.asarray(z_t))
+  got = rcsr_alg.recall(jax.numpy.asarray(z_i), jax.numpy.asarray(z_t), runner.KS)
   for k in runner.KS:
     i2t, t2i = 100 * np.mean(rank_i2t < k), 100 * np.mean(rank_t2i < k)
     np.testing.assert_allclose(got[f"i2t_R@{k}"], i2t, rtol=1e-6)

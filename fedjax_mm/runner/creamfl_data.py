@@ -508,7 +508,7 @@ def _tfds_sets(config) -> dict[str, Any]:
   wants.setdefault((block.public, train_split), []).append(("public", config.public.size))
   wants.setdefault((block.public, test_split), []).append(("test", max(config.test.sizes)))
   image_only = (block.clients.image, tfds_data.READERS[block.clients.image].splits[0])
-  sets = tfds_data.read_disjoint(
+  sets = validation.read_disjoint(
     wants,
     seed=config.seed,
     data_dir=block.get("data_dir") or None,

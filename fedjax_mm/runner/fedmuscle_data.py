@@ -298,7 +298,7 @@ def _tfds_sets(config, users: Sequence[User]):
     )
     return tokenizer if texts else None
 
-  sets = tfds_data.read_disjoint(
+  sets = validation.read_disjoint(
     wants,
     seed=config.seed,
     data_dir=data_dir,

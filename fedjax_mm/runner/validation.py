@@ -66,6 +66,7 @@ __all__ = [
   "check_pretrained",
   "data_source",
   "numeric_fields",
+  "read_disjoint",
   "reader",
 ]
 
@@ -672,3 +673,12 @@ def reader(where: str, name: str) -> tfds_data.Reader:
       f"{where}: unknown TFDS dataset {name!r}; known: {', '.join(tfds_data.READERS)}."
     )
   return tfds_data.READERS[name]
+
+
+def read_disjoint(wants, **kwargs) -> dict:
+  """:func:`fedjax_mm.data.tfds.read_disjoint`, its refusals (a pool too small to give every
+  set an example, a split that cannot be read) as :class:`ConfigError`."""
+  try:
+    return tfds_data.read_disjoint(wants, **kwargs)
+  except tfds_data.DatasetError as e:
+    raise ConfigError(str(e)) from None
