@@ -87,24 +87,28 @@ def test_intra_modal_negative_is_the_start_of_round_model(setup):
   )
   assert moved > 1e-3  # Local training moves the model: the two candidate negatives differ.
 
-  def by_hand(negative_params):
-    def one(params, opt, rng, arrays, sample_mask, neg):
-      objective = creamfl.local_objective(
-        client, state.shared, neg, public, global_reps, config, var, B_PUBLIC
-      )
-      return core.local_update(
-        objective,
-        client.group.tx,
-        params,
-        opt,
-        rng,
-        arrays,
-        sample_mask,
-        num_epochs=client.group.local_epochs,
-        batch_size=client.group.batch_size,
-      )[0]
+  def one(params, opt, rng, arrays, sample_mask, neg):
+    objective = creamfl.local_objective(
+      client, state.shared, neg, public, global_reps, config, var, B_PUBLIC
+    )
+    return core.local_update(
+      objective,
+      client.group.tx,
+      params,
+      opt,
+      rng,
+      arrays,
+      sample_mask,
+      num_epochs=client.group.local_epochs,
+      batch_size=client.group.batch_size,
+    )[0]
 
-    return jax.jit(jax.vmap(one))(
+  # One jitted program for both negatives (an argument): jitting it anew per negative
+  # traced and compiled the same program twice.
+  steps = jax.jit(jax.vmap(one))
+
+  def by_hand(negative_params):
+    return steps(
       state.params,
       state.opt_state,
       state.rng,

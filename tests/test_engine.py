@@ -341,8 +341,12 @@ def test_fedprox_proximal_term():
   batch = _take(data.arrays, 0)
   mask = data.sample_mask[0]
   key = jax.random.key(0)
-  (loss, _), grad = jax.value_and_grad(base, has_aux=True)(params, batch, mask, key)
-  (prox_loss, aux), prox_grad = jax.value_and_grad(prox, has_aux=True)(params, batch, mask, key)
+  # Jitted: one compile each, where eager the MLP's forward and backward compiled a program
+  # per op and shape.
+  (loss, _), grad = jax.jit(jax.value_and_grad(base, has_aux=True))(params, batch, mask, key)
+  (prox_loss, aux), prox_grad = jax.jit(jax.value_and_grad(prox, has_aux=True))(
+    params, batch, mask, key
+  )
   num_params = sum(x.size for x in jax.tree.leaves(params))
   np.testing.assert_allclose(prox_loss - loss, 0.5 * 0.3 * 0.01 * num_params, rtol=1e-4)
   np.testing.assert_allclose(aux["proximal"], prox_loss - loss, rtol=1e-5)
