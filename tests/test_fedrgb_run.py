@@ -89,6 +89,8 @@ def test_devices_split_the_clients():
     config.downstream.enabled = config.segmentation.enabled = False
     exp = runner.experiment(config)
     state = exp.init()["fedrgb"]
+    # Every leaf (the row too) is placed as the round returns it: no second compile.
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(state)} == {devices}
     round_fn = exp.methods["fedrgb"]
     loops = cost.equations(jax.make_jaxpr(round_fn)(state), "scan")
     state, out = round_fn(state)

@@ -71,11 +71,9 @@ def test_devices_split_the_sampled_clients_and_change_no_result():
     config.devices = devices
     exp = runner.experiment(config)
     state = exp.init()["rcsr"]
-    if devices > 1:
-      # init leaves state.method's leaves uncommitted on one device, and the round returns
-      # them replicated like the rest of the state: placed so from the start (the same
-      # values), the second round reuses the first's compile instead of compiling anew.
-      state = jax.device_put(state, jax.tree.leaves(state.params)[0].sharding)
+    # Every leaf (the method's switches too) is placed as the round returns it, so the
+    # second round reuses the first's compile.
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(state)} == {devices}
     round_fn = exp.methods["rcsr"]
     for _ in range(2):
       state, out = round_fn(state)

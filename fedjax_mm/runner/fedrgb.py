@@ -490,10 +490,12 @@ def experiment(config) -> loop.Experiment:
     )
 
   def init():
-    return {
-      m: {"rgb": jax.tree.map(jnp.copy, states0[m]), "row": jnp.asarray(i, jnp.int32)}
-      for i, m in enumerate(methods)
+    states = {
+      m: {"rgb": states0[m], "row": jnp.asarray(i, jnp.int32)} for i, m in enumerate(methods)
     }
+    if devices > 1:  # the row too: the round returns every leaf replicated, so a state
+      states = core.replicate(states, mesh)  # placed otherwise would compile it again
+    return jax.tree.map(jnp.copy, states)
 
   return loop.Experiment(
     init=init,

@@ -379,8 +379,14 @@ def experiment(config) -> loop.Experiment:
       baselines=baselines,
     )
 
+  def init():
+    states = {m: state0.replace(method=meths[m]) for m in methods}
+    if devices > 1:  # the switches too: the round returns every leaf replicated, so a state
+      states = core.replicate(states, mesh)  # placed otherwise would compile it again
+    return jax.tree.map(jnp.copy, states)
+
   return loop.Experiment(
-    init=lambda: {m: jax.tree.map(jnp.copy, state0.replace(method=meths[m])) for m in methods},
+    init=init,
     methods={m: step(m) for m in methods},
     evaluate=evaluate,
     nonfinite=lambda out: [] if bool(out["finite"]) else ["the global model"],
