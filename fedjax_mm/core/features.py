@@ -182,8 +182,9 @@ def world_features(
 ) -> PairedFeatures:
   """``num`` labelled pairs of the embedded world as fixed feature vectors.
 
-  The image features simulate a pretrained extractor (see the module docstring). Deterministic in ``seed``; labels are the world's
-  ``retrieval_label`` (the primary object's shape, 10 classes).
+  The image features simulate a pretrained extractor (see the module docstring).
+  Deterministic in ``seed``; labels are the world's ``retrieval_label`` (the primary
+  object's shape, 10 classes).
 
   Args:
     seed: integer seed of the world, the projection, the noise, the caption
