@@ -104,13 +104,18 @@ ENCODERS: dict[str, tuple[str, Callable[..., nnx.Module]]] = {
   "vit_t": ("image", image.vit_t),
   "vit_s": ("image", image.vit_s),
   "vit_b": ("image", image.vit_b),
+  "vitc_t": ("image", image.vitc_t),
+  "vitc_s": ("image", image.vitc_s),
+  "vitc_b": ("image", image.vitc_b),
   "transformer_t": ("text", text.transformer_t),
   "transformer_s": ("text", text.transformer_s),
   "gru": ("text", text.gru),
 }
 
 #: Encoders with dense layers that take LoRA adapters (the CNNs have none).
-LORA_ENCODERS = frozenset({"vit_t", "vit_s", "vit_b", "transformer_t", "transformer_s", "gru"})
+LORA_ENCODERS = frozenset(
+  {"vit_t", "vit_s", "vit_b", "vitc_t", "vitc_s", "vitc_b", "transformer_t", "transformer_s", "gru"}
+)
 
 #: Head name -> head class.
 HEADS: dict[str, type[nnx.Module]] = {
