@@ -173,6 +173,10 @@ def test_image_encoders_check_their_input():
   cnn = lambda: models.build_encoder("cnn_s", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="expected images"):
     _eval_shape(cnn, _abstract((1, 32, 32, 1)))
+  with pytest.raises(ValueError, match="stem must be"):
+    models.image.Vit(width=16, depth=1, num_heads=2, stem="hybrid", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="conv stem downsamples by 4; got patch 2"):
+    models.image.Vit(width=16, depth=1, num_heads=2, patch=2, stem="conv", rngs=nnx.Rngs(0))
 
 
 def test_vit_spatial_map_is_patch_grid():

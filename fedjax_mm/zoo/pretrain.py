@@ -13,7 +13,8 @@
    with :mod:`fedjax_mm.algorithms.clip` (AdamW, warm-up + cosine, batches of
    ``config.batch_size``), with a progress bar per pair; with
    ``config.distill.teacher`` set, that image encoder's pair trains first and
-   every other image tower also regresses its standardised pooled features
+   every other image tower (or those ``config.distill.students`` names) also
+   regresses its standardised pooled features
    (:func:`teacher_features`, :func:`fedjax_mm.algorithms.clip.distill_loss`,
    weight ``config.distill.weight``), which the folder's ``config.json`` records;
 3. measures each pair: linear probes on the frozen image encoder's pooled
@@ -74,7 +75,7 @@ from fedjax_mm.runner import report as report_lib
 from fedjax_mm.runner import validation
 from fedjax_mm.runner.errors import ConfigError, Preempted
 from fedjax_mm.runner.workdir import claim_workdir
-from fedjax_mm.runner.writers import MetricWriter
+from fedjax_mm.runner.writers import MetricWriter, read_metrics
 from fedjax_mm.zoo import cca as cca_lib
 
 #: Each unfinished pair's state after every epoch: ``workdir/checkpoints/<image>+<text>``.
@@ -135,10 +136,21 @@ def validate(config) -> list[tuple[str, str]]:
     if models.ENCODERS.get(name, ("",))[0] != "image":
       raise ConfigError(f"precondition.encoders names {name!r}, which is no image encoder.")
   teacher = distill_teacher(config)
-  if teacher and teacher not in [image for image, _ in pairs]:
+  students = tuple(block.get("students", ())) if (block := config.get("distill")) else ()
+  if students and not teacher:
+    raise ConfigError("distill.students is set but distill.teacher is not: whom to distil from?")
+  for name in students:
+    if name == teacher or models.ENCODERS.get(name, ("",))[0] != "image":
+      raise ConfigError(
+        f"distill.students names {name!r}, which is no image encoder other than the "
+        f"teacher {teacher!r}."
+      )
+  images = [image for image, _ in pairs]
+  # A run of a subset of the pairs may leave the teacher out if it distils nobody.
+  if teacher and teacher not in images and distill_students(config, pairs):
     raise ConfigError(
       f"distill.teacher {teacher!r} is not an image encoder of this run's pairs "
-      f"({', '.join(image for image, _ in pairs)}): the teacher is trained first, by CLIP alone."
+      f"({', '.join(images)}): the teacher is trained first, by CLIP alone."
     )
   return pairs
 
@@ -147,6 +159,22 @@ def distill_teacher(config) -> str:
   """The image encoder the others are distilled from (``config.distill.teacher``), or ``""``."""
   block = config.get("distill") if callable(getattr(config, "get", None)) else None
   return str(block.teacher) if block is not None else ""
+
+
+def distill_students(config, pairs: list[tuple[str, str]]) -> tuple[str, ...]:
+  """The image encoders of ``pairs`` distilled from the teacher.
+
+  Those ``distill.students`` names (entries outside this run's pairs are allowed, as
+  ``epochs`` entries are), or, when it is empty, every image encoder but the teacher.
+  """
+  teacher = distill_teacher(config)
+  if not teacher:
+    return ()
+  images = [image for image, _ in pairs]
+  named = tuple(config.distill.get("students", ()))
+  if named:  # Those of this run's pairs.
+    return tuple(name for name in named if name in images)
+  return tuple(image for image in images if image != teacher)
 
 
 def training_order(config, pairs: list[tuple[str, str]]) -> list[int]:
@@ -349,7 +377,21 @@ def _round_trip(model: nnx.Module, dtype: str) -> None:
   nnx.update(model, params)
 
 
-def _folder_config(config, model, name, modality, partner, quality, steps) -> dict[str, Any]:
+#: What each epoch's line of a model card's training curve keeps.
+CURVE_KEYS = ("loss", "probe_shape", "probe_multilabel", "i2t_R@10", "t2i_R@10")
+
+
+def training_curve(workdir, pair: str) -> list[dict[str, float]]:
+  """The pair's per-epoch loss and probes from ``metrics.jsonl``, for its model card."""
+  return [
+    {"epoch": int(r["round"]), **{k: round(float(r[k]), 4) for k in CURVE_KEYS if k in r}}
+    for r in read_metrics(workdir, run=pair)
+  ]
+
+
+def _folder_config(
+  config, model, name, modality, partner, quality, steps, curve=()
+) -> dict[str, Any]:
   encoder = model.image_encoder if modality == "image" else model.text_encoder
   world = data.WorldConfig()
   sizes = (
@@ -379,6 +421,8 @@ def _folder_config(config, model, name, modality, partner, quality, steps) -> di
         if modality == "image" and model.distill_head is not None
         else {}
       ),
+      # Per epoch: the CLIP loss and the probes (their protocol: experiments/pretrain.py).
+      **({"curve": list(curve)} if curve else {}),
     },
     "quality": quality,
   }
@@ -395,7 +439,9 @@ def stats_inputs(config, web: dict[str, np.ndarray], modality: str) -> np.ndarra
   return caps.reshape(-1, caps.shape[-1])[: config.stats_size]
 
 
-def _save_pair(config, out_dir, model, image_name, text_name, text_owner, quality, steps, web):
+def _save_pair(
+  config, out_dir, model, image_name, text_name, text_owner, quality, steps, web, curve=()
+):
   towers = [("image", image_name, text_name, model.image_encoder, model.image_projection)]
   if text_owner:
     towers.insert(0, ("text", text_name, image_name, model.text_encoder, model.text_projection))
@@ -404,7 +450,7 @@ def _save_pair(config, out_dir, model, image_name, text_name, text_owner, qualit
     pretrained.save(
       out_dir / name,
       encoder,
-      _folder_config(config, model, name, modality, partner, quality, steps),
+      _folder_config(config, model, name, modality, partner, quality, steps, curve),
       projection=np.asarray(projection.kernel[...]),
       feature_stats=pretrained.feature_stats(encoder, stats_inputs(config, web, modality)),
       dtype=config.dtype,
@@ -488,6 +534,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
     return processes.preempted(passed) and passed < epochs_in_all
 
   teacher = distill_teacher(config)
+  students = distill_students(config, pairs)
   targets = None  # The teacher's features of the web images, once its folder exists.
   for i in training_order(config, pairs):
     image_name, text_name = pairs[i]
@@ -516,7 +563,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           evaluate_fn=lambda m: evaluate(m, probe_train, probe_test, held_out),
           checkpointer=checkpointer,
           stop=stop,
-          targets=None if image_name == teacher else targets,
+          targets=targets if image_name in students else None,
         )
       # Measure what is shipped: the parameters after the round trip through the stored dtype.
       _round_trip(model, config.dtype)
@@ -533,6 +580,7 @@ def _pretrain(config, workdir, pairs, *, progress, writes) -> dict[str, Any]:
           quality,
           steps,
           web,
+          training_curve(workdir, pair),
         )
         shutil.rmtree(checkpoints)  # The folders hold the pair now.
     if image_name == teacher:  # It trains first; every other pair is distilled from it.
