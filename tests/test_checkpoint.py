@@ -5,6 +5,7 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -235,6 +236,42 @@ def test_incomplete_steps_are_ignored(tmp_path):
     assert ckpt.restore(state).round == 3
   # The tmp directory is cleaned up when a Checkpointer opens the directory.
   assert not (tmp_path / "5.orbax-checkpoint-tmp").exists()
+
+
+class _Stop(BaseException):
+  pass
+
+
+def test_a_signal_during_the_save_is_raised_once_the_save_is_in_flight(tmp_path):
+  # A runner's SIGTERM handler raises; arriving inside the manager's save (after Orbax made
+  # its tmp folder, before the write was handed to its thread) it would abandon the step.
+  # Held back, it is raised when the save returns, and the close that unwinding runs
+  # finalises the step.
+  def stop(signum, frame):
+    raise _Stop(signum)
+
+  before = signal.signal(signal.SIGTERM, stop)
+  try:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, {"x": jnp.full((64,), 1.0), "round": 1})
+    real_save = ckpt._manager.save
+
+    def save_with_a_signal(*args, **kwargs):
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(1000):  # Bytecodes at which an unheld handler would have run.
+        pass
+      return real_save(*args, **kwargs)
+
+    ckpt._manager.save = save_with_a_signal
+    with pytest.raises(_Stop):
+      ckpt.save(2, {"x": jnp.full((64,), 2.0), "round": 2})
+    assert signal.getsignal(signal.SIGTERM) is stop  # The runner's handler is back.
+    ckpt.close()
+  finally:
+    signal.signal(signal.SIGTERM, before)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.restore({"x": jnp.zeros((64,)), "round": 0})["round"] == 2
 
 
 def test_crash_mid_save_keeps_previous_step(tmp_path):

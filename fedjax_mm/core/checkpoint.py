@@ -110,12 +110,15 @@ checkpoint)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import zlib
 from typing import Any
 
@@ -407,6 +410,37 @@ def _close_manager(manager: ocp.CheckpointManager) -> None:
     manager.close()
 
 
+@contextlib.contextmanager
+def _signals_held():
+  """Holds SIGTERM and SIGINT back until the block ends, then delivers them.
+
+  ``CheckpointManager.save`` creates ``<step>.orbax-checkpoint-tmp`` and then
+  hands the write to its background thread. A signal whose handler raises
+  (``KeyboardInterrupt``, a runner's stop exception) in between would abandon the
+  folder: the save never finishes, and :meth:`Checkpointer.close` has nothing to
+  wait for. Held back, the signal is raised once the save is in flight, so the
+  close that the unwinding runs finishes it. Python runs signal handlers in the
+  main thread only; elsewhere the block runs as it is.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  held: list[int] = []
+  previous = {}
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    handler = signal.getsignal(signum)
+    if callable(handler):  # Not SIG_DFL, SIG_IGN or a handler installed outside Python.
+      previous[signum] = handler
+      signal.signal(signum, lambda s, frame: held.append(s))
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    for signum in dict.fromkeys(held):
+      signal.raise_signal(signum)
+
+
 def _process_local(sharding: jax.sharding.Sharding | None) -> bool:
   """Whether a leaf on ``sharding`` (None: not placed yet) lives on this process only, in a job
   of several processes: a value every process holds alike, which Orbax cannot write as it is."""
@@ -554,17 +588,18 @@ class Checkpointer:
       _STATE: _array_checksums(state),
       _METADATA: _document_crc32(document),
     }
-    return self._manager.save(
-      int(step),
-      args=ocp.args.Composite(
-        **{
-          _STATE: ocp.args.StandardSave(jax.tree.map(_lift, state)),
-          _METADATA: ocp.args.JsonSave(document),
-          _CHECKSUMS: ocp.args.JsonSave(checksums),
-        }
-      ),
-      force=force,
-    )
+    with _signals_held():
+      return self._manager.save(
+        int(step),
+        args=ocp.args.Composite(
+          **{
+            _STATE: ocp.args.StandardSave(jax.tree.map(_lift, state)),
+            _METADATA: ocp.args.JsonSave(document),
+            _CHECKSUMS: ocp.args.JsonSave(checksums),
+          }
+        ),
+        force=force,
+      )
 
   def all_steps(self) -> list[int]:
     """The finalised steps on disk, in increasing order."""
