@@ -83,6 +83,8 @@ SLOW_TESTS = (
   "test_creamfl_spaces.py::test_one_space_is_the_single_key_round",
   "test_creamfl_spaces.py::test_mixed_spaces_round_on_the_world",
   "test_fedmuscle_hf.py::test_fedmuscle_round_with_an_hf_text_user",
+  "test_fedmuscle_probe.py::test_probes_are_reported_for_the_initial_models_and_every_method",
+  "test_fedmuscle_probe.py::test_probes_equal_a_direct_fit_on_the_initial_models",
   "test_fedmuscle_token_spaces.py::test_a_round_with_three_token_spaces",
   "test_fedrgb_run.py::test_devices_split_the_clients",
   "test_fedscmr.py::test_fedcmr_round_equals_its_steps_done_by_hand",

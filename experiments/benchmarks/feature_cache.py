@@ -74,7 +74,8 @@ def main(argv):
   ratio = statistics.median(times[False]) / statistics.median(times[True])
   print(f"round + eval, uncached / cached: {ratio:.2f}x (median of {_ROUNDS.value} turns)")
   diff = max(
-    float(np.max(np.abs(np.subtract(evals[True][m], evals[False][m])))) for m in evals[True]
+    float(np.max(np.abs(np.subtract(evals[True][m]["users"], evals[False][m]["users"]))))
+    for m in evals[True]
   )
   print(f"largest test-metric difference after {_ROUNDS.value + 1} rounds: {100 * diff:.2g} points")
 

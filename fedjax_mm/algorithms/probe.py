@@ -16,11 +16,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from fedjax_mm import metrics
+from fedjax_mm import data, metrics
 
-__all__ = ["fit_linear_probe", "linear_probe_logits", "linear_probe_score"]
+__all__ = [
+  "WORLD_PROBES",
+  "fit_linear_probe",
+  "linear_probe_logits",
+  "linear_probe_score",
+  "probe_scores",
+  "trivial_scores",
+]
+
+#: What a representation of the world's scenes is probed for: name -> (the scenes' key, the
+#: number of classes or labels, multi-label). Shape is the primary object's (10), colour
+#: its colour (10), multilabel the set of shapes present (micro-F1).
+WORLD_PROBES = {
+  "shape": ("label10", data.NUM_SHAPES, False),
+  "colour": ("caption_label", data.NUM_COLORS, False),
+  "multilabel": ("multilabel", data.NUM_SHAPES, True),
+}
 
 
 @functools.partial(jax.jit, static_argnames=("num_outputs", "multilabel", "steps"))
@@ -98,3 +115,40 @@ def linear_probe_score(
   if multilabel:
     return float(metrics.micro_f1(logits, test_targets))
   return float(metrics.accuracy(logits, test_targets))
+
+
+def probe_scores(train_features, test_features, train_set, test_set, names) -> dict[str, float]:
+  """Test accuracy (micro-F1 for a multi-label target) in % of a linear probe per target.
+
+  Args:
+    train_features, test_features: ``[n, h]`` features of the two sets' scenes.
+    train_set, test_set: the scenes (:func:`fedjax_mm.data.generate`), holding the targets.
+    names: targets of :data:`WORLD_PROBES` to probe.
+  """
+  out = {}
+  for name in names:
+    key, outputs, multilabel = WORLD_PROBES[name]
+    out[name] = 100 * linear_probe_score(
+      train_features,
+      jnp.asarray(train_set[key]),
+      test_features,
+      jnp.asarray(test_set[key]),
+      num_outputs=outputs,
+      multilabel=multilabel,
+    )
+  return out
+
+
+def trivial_scores(train_set, test_set, names) -> dict[str, float]:
+  """What each probe of :func:`probe_scores` scores without looking at the scene (in %):
+  the training set's majority class, or every label present (multi-label)."""
+  out = {}
+  for name in names:
+    key, outputs, multilabel = WORLD_PROBES[name]
+    y_test = jnp.asarray(test_set[key])
+    if multilabel:
+      out[name] = 100 * float(metrics.micro_f1(jnp.ones_like(y_test), y_test))
+    else:
+      majority = int(np.bincount(train_set[key], minlength=outputs).argmax())
+      out[name] = 100 * float(jnp.mean(y_test == majority))
+  return out

@@ -52,8 +52,10 @@ from fedjax_mm.algorithms import (
   simclr,
 )
 from fedjax_mm.algorithms import cost as cost_lib
+from fedjax_mm.algorithms import probe as probe_lib
 from fedjax_mm.core import features as core_features
 from fedjax_mm.core import ledger as ledger_lib
+from fedjax_mm.core.client import apply_in_batches
 from fedjax_mm.runner import fedmuscle_report, loop, validation
 from fedjax_mm.runner.errors import ConfigError
 from fedjax_mm.runner.fedmuscle_data import (
@@ -156,6 +158,7 @@ def validate(config) -> tuple[User, ...]:
           models.pretrained.read_feature_stats(checkpoint)
       except models.pretrained.PretrainedError as e:
         raise ConfigError(f"{u.name}: {e}") from None
+  _check_probe(config, users)
   # Last, so a missing checkpoint is named first; still before anything is built.
   tfds = data_source(config) == "tfds"
   validation.check_data(config, _tfds_reads(config, users, methods) if tfds else None)
@@ -170,6 +173,32 @@ def validate(config) -> tuple[User, ...]:
       u.encoder,
     )
   return users
+
+
+def _probed(config) -> tuple[int, ...]:
+  """The user numbers ``config.probe.users`` names (none when the config has no probe)."""
+  return tuple(config.get("probe", {}).get("users", ()))
+
+
+def _check_probe(config, users) -> None:
+  probed = _probed(config)
+  if not probed:
+    return
+  if len(set(probed)) != len(probed) or max(probed) > len(users):
+    raise ConfigError(
+      f"probe.users must name distinct users by number, 1 to {len(users)}; got {probed}."
+    )
+  unknown = [t for t in config.probe.targets if t not in probe_lib.WORLD_PROBES]
+  if unknown or not tuple(config.probe.targets):
+    raise ConfigError(
+      f"probe.targets must name some of {', '.join(probe_lib.WORLD_PROBES)}; got "
+      f"{tuple(config.probe.targets)}."
+    )
+  if data_source(config) != "world":
+    raise ConfigError("probe.users: the probes read the world's scenes; set data.source='world'.")
+  text = [n for n in probed if TASKS[users[n - 1].task][1] == "caption"]
+  if text:
+    raise ConfigError(f"probe.users: user {text[0]} reads captions; the probes show images.")
 
 
 def _muscle_config(config) -> fedmuscle.MuscleConfig:
@@ -309,6 +338,50 @@ def _baseline_bytes(config, methods, users, states) -> dict[str, tuple[np.ndarra
   )
 
 
+class _Probes:
+  """Linear probes of some users' representations (``config.probe``) on the world's
+  private scenes, for the positive control (a weak user beside strong partners).
+
+  ``self(groups)`` scores the probed users of a state's groups (each group holds one
+  user), ``{"user <n>": {target: %}}``; :attr:`baselines` holds the initial models'
+  scores and the trivial predictor's. A cached user is probed through its raw group,
+  whose model reads the images (the parameters are the same).
+  """
+
+  def __init__(self, config, users, raw_groups, states):
+    block = config.probe
+    self.users = [users[int(u) - 1] for u in block.users]
+    self.targets = tuple(block.targets)
+    pool = data.generate(config.seed * 1000 + 20, block.train + block.test)
+    self.train = data.take(pool, np.arange(block.train))
+    self.test = data.take(pool, np.arange(block.train, block.train + block.test))
+    self.images = jnp.asarray(pool["image"])
+    self.represent = {
+      u.index: jax.jit(
+        lambda params, shared, x, g=raw_groups[u.index]: apply_in_batches(
+          g.merge(params, shared).represent, x, 256
+        )
+      )
+      for u in self.users
+    }
+    trivial = probe_lib.trivial_scores(self.train, self.test, self.targets)
+    self.baselines = {
+      "initial": self(states),
+      "trivial": {f"user {u.index + 1}": trivial for u in self.users},
+    }
+
+  def __call__(self, groups) -> dict[str, dict[str, float]]:
+    out, n = {}, self.train["image"].shape[0]
+    for u in self.users:
+      g = groups[u.index]
+      params = jax.tree.map(lambda x: x[0], g.params)  # its group's only client
+      z = self.represent[u.index](params, g.shared, self.images)
+      out[f"user {u.index + 1}"] = probe_lib.probe_scores(
+        z[:n], z[n:], self.train, self.test, self.targets
+      )
+    return out
+
+
 def experiment(config) -> loop.Experiment:
   """Every method of ``config.methods`` side by side, as :func:`fedjax_mm.runner.loop.run` drives them.
 
@@ -372,12 +445,19 @@ def experiment(config) -> loop.Experiment:
     ]
   )
 
-  def evaluate(s) -> list[float]:
-    """Each user's test metric (its group holds it alone)."""
+  probe_of = _Probes(config, users, raw_groups, states) if _probed(config) else None
+
+  def evaluate(s) -> dict[str, Any]:
+    """Each user's test metric (its group holds it alone); after the last round also the
+    probes of ``config.probe.users``' representations (a rerun of a finished run too)."""
     per_group = evaluate_groups(s, test_data)
-    return [
+    users_metric = [
       float(np.asarray(m[g.task.metric_name])[0]) for m, g in zip(per_group, groups, strict=True)
     ]
+    out = {"users": users_metric}
+    if probe_of is not None and int(s.round) == config.rounds:
+      out["probes"] = probe_of(s.groups)
+    return out
 
   # The public set as read: data.limit may have shrunk a TFDS one below public.size.
   num_public = jax.tree.leaves(public)[0].shape[0]
@@ -404,7 +484,8 @@ def experiment(config) -> loop.Experiment:
     rows = []
     for name in methods:
       values = {
-        f"{users[i].name}/{groups[i].task.metric_name}": v for i, v in enumerate(evals[name])
+        f"{users[i].name}/{groups[i].task.metric_name}": v
+        for i, v in enumerate(evals[name]["users"])
       }
       for key in USER_LOSSES:
         if key in outs[name]:
@@ -412,10 +493,12 @@ def experiment(config) -> loop.Experiment:
           values |= {f"{users[i].name}/{key}": float(v) for i, v in enumerate(losses)}
       values |= loop.fault_scalars(outs[name])
       rows.append((name, values))
-    return rows + [(m, {"delta": _delta(evals[m], evals["local"])[0]}) for m in others]
+    delta = lambda m: _delta(evals[m]["users"], evals["local"]["users"])[0]
+    return rows + [(m, {"delta": delta(m)}) for m in others]
 
   def postfix(evals):
-    deltas = {m: f"{100 * _delta(evals[m], evals['local'])[0]:+.1f}%" for m in others}
+    delta = lambda m: _delta(evals[m]["users"], evals["local"]["users"])[0]
+    deltas = {m: f"{100 * delta(m):+.1f}%" for m in others}
     return {"delta": deltas[others[0]]} if len(others) == 1 else deltas
 
   return loop.Experiment(
@@ -429,7 +512,16 @@ def experiment(config) -> loop.Experiment:
     scalars=scalars,
     runs=methods,
     report=lambda outcome: fedmuscle_report.report(
-      config, methods, users, groups, traffic, trivial, outcome, costs=costs, data_note=data_note
+      config,
+      methods,
+      users,
+      groups,
+      traffic,
+      trivial,
+      outcome,
+      costs=costs,
+      data_note=data_note,
+      probes=None if probe_of is None else probe_of.baselines,
     ),
     traffic=lambda name, out: sent.get(name),
     postfix=postfix,

@@ -127,13 +127,17 @@ def report(
   *,
   costs=None,
   data_note=None,
+  probes=None,
 ) -> loop.Report:
   """Table 1 of the paper for this run: per user, every method vs local training, Delta, bytes.
 
   ``data_note`` (TFDS runs): the datasets and the examples each set got, in
-  results.json ``"data"`` and a report section.
+  results.json ``"data"`` and a report section. ``probes`` (``config.probe.users``):
+  ``{"initial": ..., "trivial": ...}``, the probed users' scores before training and
+  without looking; each method's after the last round are in its evaluation.
   """
-  final, history = outcome.final, outcome.history
+  final = {m: outcome.final[m]["users"] for m in methods}
+  history = outcome.history
   fmt = report_lib.format_table
   others = [m for m in methods if m != "local"]
   single = len(others) == 1
@@ -208,6 +212,19 @@ def report(
   }
   if "fedmuscle" in methods:
     result |= {"delta": deltas["fedmuscle"], "traffic_per_round": traffic, "traffic_total": totals}
+  baselines = {"trivial": {"users": [100 * t for t in trivial]}}
+  if probes is not None:  # each probed user's representation: initial, then each method's
+    result["probes"] = {
+      "initial": probes["initial"],
+      "trivial": probes["trivial"],
+      **{m: outcome.final[m]["probes"] for m in methods},
+    }
+    for m in methods:
+      rows[label(config, m)]["probes"] = outcome.final[m]["probes"]
+    baselines |= {
+      "initial model": {"probes": probes["initial"]},
+      "trivial": baselines["trivial"] | {"probes": probes["trivial"]},
+    }
   by_method = {
     m: {"up": int(outcome.ledgers[m].total_up), "down": int(outcome.ledgers[m].total_down)}
     for m in others
@@ -283,7 +300,7 @@ def report(
     results=result,
     text=text,
     final=rows,
-    baselines={"trivial": {"users": [100 * t for t in trivial]}},
+    baselines=baselines,
     tail=sections,
   )
 
@@ -295,7 +312,7 @@ def tables(config) -> list[report_lib.Table]:
   users = [f"user {i + 1} ({u['encoder']}/{u['task']})" for i, u in enumerate(config.users)]
   columns = [report_lib.Column(u, f"users.{i}", digits=2) for i, u in enumerate(users)]
   delta = report_lib.Column("Delta vs local (%)", "delta", signed=True)
-  return [
+  out = [
     report_lib.Table(
       "Per user (metric in %) and Delta against local training",
       [*columns, delta],
@@ -305,3 +322,21 @@ def tables(config) -> list[report_lib.Table]:
       reference=label(config, "fedmuscle"),
     )
   ]
+  probed = [int(u) for u in config.get("probe", {}).get("users", ())]
+  if probed:
+    targets = tuple(config.probe.targets)
+    out.append(
+      report_lib.Table(
+        f"Linear probes of the users' representations ({config.probe.train} labelled private "
+        f"scenes, tested on {config.probe.test}; %), after the last round",
+        [
+          report_lib.Column(f"user {u} {t}", f"probes.user {u}.{t}", digits=1)
+          for u in probed
+          for t in targets
+        ],
+        label="method",
+        baselines=("initial model", "trivial"),
+        reference=label(config, "fedmuscle"),
+      )
+    )
+  return out

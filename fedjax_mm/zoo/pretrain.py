@@ -83,11 +83,7 @@ CHECKPOINTS = "checkpoints"
 #: Seeds of the web split start here; federated splits use ``seed * 1000 + k``.
 WEB_SEED = 1 << 30
 #: Probe targets: name -> (data key, outputs, multilabel).
-PROBES = {
-  "shape": ("label10", data.NUM_SHAPES, False),
-  "colour": ("caption_label", data.NUM_COLORS, False),
-  "multilabel": ("multilabel", data.NUM_SHAPES, True),
-}
+PROBES = probe.WORLD_PROBES
 
 
 #: The dtypes :func:`fedjax_mm.models.pretrained.save` stores.
@@ -337,17 +333,10 @@ def _batched(fn, x, batch=500):
 def evaluate(model: clip.ClipModel, probe_train, probe_test, held_out) -> dict[str, float]:
   """Linear probes on the image encoder's pooled features and zero-shot retrieval (in %)."""
   feats = lambda split: _batched(lambda x: model.image_encoder(x)[0], jnp.asarray(split["image"]))
-  f_train, f_test = feats(probe_train), feats(probe_test)
-  out = {}
-  for name, (key, outputs, multilabel) in PROBES.items():
-    out[f"probe_{name}"] = 100 * probe.linear_probe_score(
-      f_train,
-      jnp.asarray(probe_train[key]),
-      f_test,
-      jnp.asarray(probe_test[key]),
-      num_outputs=outputs,
-      multilabel=multilabel,
-    )
+  scores = probe.probe_scores(
+    feats(probe_train), feats(probe_test), probe_train, probe_test, PROBES
+  )
+  out = {f"probe_{name}": v for name, v in scores.items()}
   z_image = _batched(model.embed_image, jnp.asarray(held_out["image"]))
   caps = held_out["caption"]
   n, c = caps.shape[:2]
@@ -359,15 +348,8 @@ def evaluate(model: clip.ClipModel, probe_train, probe_test, held_out) -> dict[s
 
 def trivial_baselines(probe_train, probe_test) -> dict[str, float]:
   """What the probes score without looking at the image (in %)."""
-  out = {}
-  for name, (key, outputs, multilabel) in PROBES.items():
-    y_test = jnp.asarray(probe_test[key])
-    if multilabel:  # "Every label present".
-      out[f"probe_{name}"] = 100 * float(metrics.micro_f1(jnp.ones_like(y_test), y_test))
-    else:  # The training set's majority class.
-      majority = int(np.bincount(probe_train[key], minlength=outputs).argmax())
-      out[f"probe_{name}"] = 100 * float(jnp.mean(y_test == majority))
-  return out
+  scores = probe.trivial_scores(probe_train, probe_test, PROBES)
+  return {f"probe_{name}": v for name, v in scores.items()}
 
 
 def _round_trip(model: nnx.Module, dtype: str) -> None:
