@@ -135,6 +135,7 @@ def get_config(arg=None):
       "rcsr_p_fixed",
       "rcsr_zero_fill",
       "rcsr_placeholder_fill",
+      "rcsr_centred_q",  # ours: the q game rewards loss, not being sampled
     )
   elif arg == "baselines":
     # Table 1's baselines built on RCSR's model beside RCSR and RCSR-p, same data and seeds.

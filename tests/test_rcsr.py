@@ -181,6 +181,62 @@ def test_fair_update_by_hand():
   np.testing.assert_allclose(state2.q, q2 / q2.sum(), rtol=1e-6)
 
 
+def test_centred_fair_update_by_hand():
+  # Ours: the sampled clients' mean normalised loss is subtracted before the step.
+  state = S.fair_init(4)
+  loss = jnp.array([2.0, 0.4, 4.0, 9.0])
+  group = S.client_group(jnp.array([[1, 1], [1, 0], [1, 1], [0, 1]], bool))
+  where = jnp.array([True, True, True, False])
+  state, norm = S.fair_update(state, loss, group, where, eta_q=0.1, centred=True)
+  np.testing.assert_allclose(norm, [2 / 3, 1.0, 4 / 3, 0.0], rtol=1e-6)  # l~ as the paper's
+  step = np.array([2 / 3 - 1, 0.0, 4 / 3 - 1, 0.0])  # mean over the sampled: 1
+  q = 0.25 * np.exp(0.1 * step)
+  np.testing.assert_allclose(state.q, q / q.sum(), rtol=1e-6)
+  # The same loss everywhere moves nothing, whoever is sampled; the paper's step does.
+  same = jnp.ones((4,))
+  kept, _ = S.fair_update(S.fair_init(4), same, jnp.zeros((4,), int), where, centred=True)
+  np.testing.assert_allclose(kept.q, 0.25, rtol=1e-6)
+  moved, _ = S.fair_update(S.fair_init(4), same, jnp.zeros((4,), int), where)
+  assert float(moved.q[0]) > 0.25 > float(moved.q[3])
+
+
+def _q_game(centred, rounds=20, clients=12, sampled=6, penalty=0.2, seed=0):
+  """log q after a run of the q game alone: every client reports loss 1, clients 0-3 a
+  loss ``1 + penalty``; each round ``sampled`` clients drawn uniformly. Returns
+  (log q, times sampled, penalised)."""
+  rng = np.random.default_rng(seed)
+  loss = np.ones(clients, np.float32)
+  penalised = np.arange(clients) < 4
+  loss[penalised] += penalty
+  group = jnp.zeros((clients,), int)
+  state, counts = S.fair_init(clients), np.zeros(clients)
+  for _ in range(rounds):
+    where = np.zeros(clients, bool)
+    where[rng.choice(clients, sampled, replace=False)] = True
+    counts += where
+    state, _ = S.fair_update(state, jnp.asarray(loss), group, jnp.asarray(where), centred=centred)
+  return np.log(np.asarray(state.q)), counts, penalised.astype(float)
+
+
+def test_the_papers_q_rewards_being_sampled_the_centred_q_rewards_loss():
+  # Issue 66's finding, as a simulation: with the paper's step, log q follows how often a
+  # client was sampled and hardly its higher loss; with ours, its loss.
+  # Mean correlations over 5 draws of who is sampled (seeds 0-4: 0.93 with the count and
+  # 0.38 with the penalty for the paper's step; 0.09 and 0.97 for ours).
+  def mean_corr(centred):
+    runs = [_q_game(centred, seed=s) for s in range(5)]
+    corr = lambda a, b: float(np.corrcoef(a, b)[0, 1])
+    return [
+      np.mean([corr(q, x) for q, x in ((q, c) for q, c, _ in runs)]),
+      np.mean([corr(q, p) for q, _, p in runs]),
+    ]
+
+  count, penalty = mean_corr(centred=False)
+  assert count > 0.85 and penalty < count - 0.3
+  count, penalty = mean_corr(centred=True)
+  assert penalty > 0.9 and abs(count) < 0.5
+
+
 def test_fused_and_warmup_weights():
   w_r = jnp.array([0.5, 0.3, 0.2, 0.7])
   q = jnp.array([0.1, 0.2, 0.3, 0.4])

@@ -156,6 +156,9 @@ def test_rounds_of_every_method_and_personal_state_stays_home(setup, state0, ste
   np.testing.assert_allclose(states["rcsr"].fair.q.sum(), 1.0, rtol=1e-6)
   assert not np.allclose(states["rcsr"].fair.q, 1 / N)  # the q game ran
   np.testing.assert_array_equal(states["fedavg"].fair.q, state0.fair.q)
+  # Ours: the centred q game plays too, to other weights than the paper's.
+  np.testing.assert_allclose(states["rcsr_centred_q"].fair.q.sum(), 1.0, rtol=1e-6)
+  assert not np.allclose(states["rcsr_centred_q"].fair.q, states["rcsr"].fair.q)
   # RCSR-p reports the shared loss exactly, so its q game and global model are RCSR's.
   np.testing.assert_array_equal(states["rcsr_p"].fair.q, states["rcsr"].fair.q)
   for x, y in zip(*(jax.tree.leaves(states[m].params) for m in ("rcsr_p", "rcsr")), strict=True):

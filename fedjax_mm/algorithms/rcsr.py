@@ -423,6 +423,7 @@ class Method:
   prox_mu: Array  # FedProx's mu (the term is mu / 2 ||theta_k - theta||^2)
   router: Array  # bool: learnt w^R after warm-up (RCSR)
   fair: Array  # bool: the q game (RCSR)
+  fair_centred: Array  # bool: the q game's centred step (ours; server.rcsr.fair_update)
   personal: Array  # bool: RCSR-p's personal adapters
   fixed_strength: Array  # bool: s_k = lambda_p for every client instead of eq. (13)
   zero_fill: Array  # bool: the missing prototype slot of s_k is 0, not the EMA prototype
@@ -455,6 +456,9 @@ _SWITCHES: dict[str, tuple[str, ...]] = {
   "fedper": ("fedper",),
   "pfedmma": ("mma",),
   "rcsr_placeholder_fill": ("align", "router", "fair", "placeholder"),
+  # Ours, not the paper's: the q game rewards a loss above the sampled clients' mean
+  # rather than being sampled (server.rcsr.fair_update's centred step).
+  "rcsr_centred_q": ("align", "router", "fair", "fair_centred"),
   "mfcpl": ("mfcpl",),
   "fedmekt": ("mekt",),
   "creamfl": ("cream",),
@@ -507,6 +511,7 @@ def method(
     prox_mu=f(mu if "prox" in on else 0.0),
     router=b("router"),
     fair=b("fair"),
+    fair_centred=b("fair_centred"),
     personal=b("personal"),
     fixed_strength=b("fixed_strength"),
     zero_fill=b("zero_fill"),
@@ -1218,7 +1223,13 @@ def round_step(
   group = S.client_group(modality)
   reported = where if masks is None else jnp.zeros((n,), bool).at[idx].set(arrived)
   fair, _ = S.fair_update(
-    state.fair, full(loss), group, reported, eta_q=spec.eta_q, momentum=spec.fair_momentum
+    state.fair,
+    full(loss),
+    group,
+    reported,
+    eta_q=spec.eta_q,
+    momentum=spec.fair_momentum,
+    centred=meth.fair_centred,
   )
   play = meth.fair
   if masks is not None:

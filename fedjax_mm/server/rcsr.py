@@ -327,8 +327,16 @@ def fair_update(
   *,
   eta_q: float = 0.1,
   momentum: float = 0.9,
+  centred: bool | Array = False,
 ) -> tuple[FairState, Array]:
   """One exponentiated-gradient step of ``q`` (Sec. 4.4); returns ``(state, l~)``.
+
+  As the paper writes it, only sampled clients get ``exp(eta_q l~_k)``, and ``l~`` is
+  about 1, so a client gains weight each time it is sampled, whatever its loss: over
+  a run ``log q`` follows how often a client was drawn. ``centred`` (ours, not the
+  paper's) takes ``exp(eta_q (l~_k - mean_S l~))`` instead, the sampled clients' mean
+  subtracted: a client gains weight for a loss above its sampled peers', and a round
+  whose clients all report the same loss leaves ``q`` as it is.
 
   Args:
     state: current :class:`FairState` (``q`` ``[N]``).
@@ -337,6 +345,7 @@ def fair_update(
     where: ``bool [N]`` sampled clients.
     eta_q: step size (Table 3: 0.1).
     momentum: the running mean's momentum beta (Table 3: 0.9).
+    centred: the centred step (traced bool or Python bool).
   """
   onehot = jax.nn.one_hot(group, GROUPS, dtype=loss.dtype) * where[:, None]
   count = onehot.sum(0)
@@ -346,7 +355,9 @@ def fair_update(
   lbar = jnp.where(observed, updated, state.lbar)
   seen = state.seen | observed
   norm_loss = jnp.where(where, loss / jnp.maximum(lbar[group], 1e-12), 0.0)
-  q = state.q * jnp.exp(eta_q * norm_loss)
+  mean_sampled = norm_loss.sum() / jnp.maximum(where.sum(), 1)
+  step = jnp.where(centred, jnp.where(where, norm_loss - mean_sampled, 0.0), norm_loss)
+  q = state.q * jnp.exp(eta_q * step)
   q = q / q.sum()
   return FairState(q=q, lbar=lbar, seen=seen), norm_loss
 
