@@ -48,9 +48,10 @@ def get_config(arg=None):
   # (an image encoder of this run's pairs, trained first by CLIP alone) is regressed by
   # every other image tower's pooled feature (or those `students` names) with this
   # weight; "" distils nothing. resnet_t, from CLIP alone, learnt little shape (22.7% after
-  # 3 epochs); it is distilled from cnn_m, the zoo's shape expert.
+  # 3 epochs); it and the conv-stem ViT vitc_s (as shipped) are distilled from cnn_m, the
+  # zoo's shape expert.
   config.distill = ml_collections.ConfigDict(
-    {"teacher": "cnn_m", "weight": 1.0, "students": ("resnet_t",)}
+    {"teacher": "cnn_m", "weight": 1.0, "students": ("resnet_t", "vitc_s")}
   )
   # FedMuscle's precondition, printed in the report: every two of these encoders (its
   # default lineup, experiments/fedmuscle.py) share k CCA directions on a public set of
