@@ -310,8 +310,9 @@ def test_methods_config():
 
 def test_report_has_a_column_and_a_delta_per_method():
   config, users, groups, *_, trivial = _build()
-  final = {m: [0.5 + 0.1 * i, 0.2, 0.3, 0.4, 0.5] for i, m in enumerate(runner.METHODS)}
-  final["local"] = [0.5, 0.2, 0.0, 0.4, 0.5]
+  # Each method's evaluation: its users' metrics (runner.fedmuscle.experiment's evaluate).
+  final = {m: {"users": [0.5 + 0.1 * i, 0.2, 0.3, 0.4, 0.5]} for i, m in enumerate(runner.METHODS)}
+  final["local"] = {"users": [0.5, 0.2, 0.0, 0.4, 0.5]}
   history = [{"run": m, "round": 1, "delta": 0.0} for m in runner.METHODS[:-1]]
   outcome = loop.Outcome(final, history, {"fedmuscle": ledger.Ledger.zeros(len(users))}, 1.0, 0)
   traffic = runner._bytes_per_round(config, 2)
@@ -334,7 +335,7 @@ def test_report_has_a_column_and_a_delta_per_method():
   assert list(deltas) == list(runner.METHODS[:-1])
   for i, m in enumerate(deltas):  # user 1 gains 0.1 i / 0.5; user 3 (local 0) is left out
     assert deltas[m] == pytest.approx(0.1 * i / 0.5 / 4)
-    assert report.results[m] == final[m]
+    assert report.results[m] == final[m]["users"]  # results.json keeps the per-user list
   assert report.results["delta"] == deltas["fedmuscle"]
   assert report.results["delta_excluded_users"] == ["user 3"]
   # The result table (fedmuscle_report.tables, rendered by the loop): a row per method.
