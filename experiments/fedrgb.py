@@ -73,7 +73,10 @@ def get_config(arg=None):
       "beta": 2.0,  # eq. (6) / (12): the regulariser's weight
       "gamma": 1.0,  # eq. (5): DRO step size
       "rho": 1.0,  # eq. (4): chi-square radius
-      "dro_form": "eq12",  # or "eq6" (collapses: see algorithms/fedrgb.py)
+      # App. B: eq. (12) + L_task of the frozen local aligner on the distorted features
+      # (what distorts the encoder copy); "eq12" alone, or "eq6" (collapses): see
+      # algorithms/fedrgb.py.
+      "dro_form": "appb",
       # "paper": start-of-round losses used in the same round (Algorithm 1); "code": the
       # averaged model's loss on a fixed 10% of each client's split, used next round.
       "dro_source": "paper",

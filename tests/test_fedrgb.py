@@ -45,7 +45,7 @@ def test_guide_and_local_loss_match_numpy():
   np.testing.assert_allclose(local, guide + 3.0 * _np_task(zi, zt, 0.07), rtol=1e-4, atol=1e-4)
 
 
-def test_dro_loss_both_forms_match_numpy():
+def test_dro_loss_every_form_matches_numpy():
   rng = np.random.default_rng(2)
   ti, tt, ai, at, li, lt = (_unit(rng, 5, 4) for _ in range(6))
   reg = np.sum((ai - ti) ** 2, -1) + np.sum((at - tt) ** 2, -1)
@@ -55,8 +55,13 @@ def test_dro_loss_both_forms_match_numpy():
   eq12 = 2.0 * reg + _np_task(ai, at, 0.07)
   got12 = losses.dro_loss(ti, tt, ai, at, beta=2.0, form="eq12")
   np.testing.assert_allclose(got12, eq12, rtol=1e-4, atol=1e-4)
+  appb = eq12 + _np_task(li, lt, 0.07)  # App. B: eq. (12) + L_task on the distorted features
+  gotb = losses.dro_loss(ti, tt, ai, at, li, lt, beta=2.0, form="appb")
+  np.testing.assert_allclose(gotb, appb, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="form"):
     losses.dro_loss(ti, tt, ai, at, form="eq7")
+  with pytest.raises(ValueError, match="local_img"):
+    losses.dro_loss(ti, tt, ai, at, form="appb")
 
 
 _project = jax.jit(server.project_chi2_ball)  # rho traced: one compile per shape
@@ -249,27 +254,77 @@ def test_ablations_average_teacher_and_uniform_weights():
     rgb.RgbConfig(teacher="ema")
 
 
-def test_with_frozen_encoders_stage_one_cannot_change_the_round():
-  """Algorithm 1 line 27 makes the teacher the next aligners and eq. (12) does not read the
-  local aligners, so with frozen encoders (the authors' code) stage 1 cannot change the
-  round's result: the "->CL" guidance gives bit for bit the state eq. (1)'s gives. (With
-  ``train_encoders=True``, the paper's "whole model jointly optimized", stage 1 reaches the
-  next round through the aggregated encoders.)"""
+@pytest.mark.parametrize("form", ["appb", "eq12"])
+def test_stage_one_reaches_the_round_through_app_b_task_loss_only(form):
+  """Algorithm 1 line 27 makes the teacher the next aligners, so with frozen encoders (the
+  authors' code) stage 1 reaches the next round only through stage 2. App. B's ``L_task``
+  (the default) reads the client's stage-1 aligner on the distorted features: the "->CL"
+  guidance changes the round's state. Eq. (12) alone does not read the local aligners:
+  "->CL" gives bit for bit the state eq. (1)'s gives. (With ``train_encoders=True``, the
+  paper's "whole model jointly optimized", stage 1 also reaches the next round through the
+  aggregated encoders.)"""
   outs = []
   for guide in ("l2", "cl"):
-    alg, state, arrays, mask = _tiny(guide=guide)
+    alg, state, arrays, mask = _tiny(guide=guide, dro_form=form)
     new, metrics = jax.jit(alg.round)(state, arrays, mask)
     outs.append((jax.tree.leaves((new.encoder, new.aligner)), metrics["stage1_loss"]))
   (l2, l2_loss), (cl, cl_loss) = outs
   assert not np.allclose(l2_loss, cl_loss)  # stage 1 did run on different losses
-  assert all(np.array_equal(a, b) for a, b in zip(l2, cl, strict=True))
+  same = all(np.array_equal(a, b) for a, b in zip(l2, cl, strict=True))
+  assert same == (form == "eq12")
+
+
+def test_app_b_task_loss_distorts_the_encoder_copy_and_beta_acts():
+  """Stage 2's distortion. The encoder copy starts equal to ``f*``: there eq. (12)'s gradient
+  for it is exactly zero (the regulariser at its minimum, ``L_CL`` reading ``f*``), App. B's
+  ``L_task`` (the frozen local aligner on the copy's features) gives it one. Without the
+  regulariser (beta = 0), App. B's stage distorts the copy (the teacher's outputs on its
+  features move away from those on ``f*``'s), eq. (12)'s leaves it where AdamW's weight
+  decay puts it; and beta changes the teacher App. B's stage trains."""
+  alg, state, arrays, mask = _tiny()
+  assert alg.config.dro_form == "appb"  # the default
+  local = jax.tree.map(lambda x: x + 0.05, state.aligner)  # a client's own aligner
+  client = _client(arrays, 0)
+  batch = jax.tree.map(lambda x: x[:4], client)
+
+  def fedrgb(form, beta=2.0):
+    cfg = dataclasses.replace(alg.config, dro_form=form, beta=beta)
+    return rgb.FedRGB(cfg, alg.encoder_def, alg.aligner_def)
+
+  def copy_grad(form):
+    fn = lambda c: fedrgb(form).dro_objective(c, state.teacher, state.encoder, local, batch)
+    return jax.grad(fn)(state.encoder)
+
+  assert all(not np.any(g) for g in jax.tree.leaves(copy_grad("eq12")))
+  assert any(np.any(g) for g in jax.tree.leaves(copy_grad("appb")))
+
+  def stage2(form, beta):
+    """Stage 2 of client 0 as ``stage2_client`` runs it, the encoder copy kept:
+    ``(teacher's z_I on f*'s features, mean squared drift of its outputs on the copy's)``."""
+    a = fedrgb(form, beta)
+    loss_fn = lambda p, b: a.dro_objective(p["copy"], p["teacher"], state.encoder, local, b)
+    params = {"copy": state.encoder, "teacher": state.teacher}
+    train = jax.jit(lambda k: a._train(loss_fn, params, k, client, mask[0], 2)[0])
+    p = train(jax.random.key(3))
+    clean = a.embed(state.encoder, p["teacher"], client["images"], client["captions"])
+    moved = a.embed(p["copy"], p["teacher"], client["images"], client["captions"])
+    drift = sum(jnp.sum((x - y) ** 2, -1) for x, y in zip(clean, moved, strict=True))
+    return clean[0], float(jnp.mean(drift))
+
+  assert stage2("appb", 0.0)[1] > 0.1  # measured 1.0
+  assert stage2("eq12", 0.0)[1] < 1e-6  # measured 1.2e-8: weight decay alone
+  z0, z2 = stage2("appb", 0.0)[0], stage2("appb", 2.0)[0]
+  assert float(jnp.max(jnp.abs(z0 - z2))) > 1e-2  # measured 0.12
 
 
 def test_dro_source_code_uses_last_rounds_losses_on_a_fixed_tenth():
   """The authors' code's variant: round 1's weights stay uniform (no losses yet); round 2's
   are eq. (5) of round 1's weights and the losses round 1 stored, which are L_dro of the
-  averaged model on the first 10% of each client's split. The paper's variant differs."""
-  alg, state, arrays, mask = _tiny(dro_source="code")
+  averaged model on the first 10% of each client's split. The paper's variant differs.
+  Eq. (12), which reads no local aligner, lets the check below recompute the losses from
+  the state alone (App. B's form reads each client's stage-1 aligner, which it does not
+  keep)."""
+  alg, state, arrays, mask = _tiny(dro_source="code", dro_form="eq12")
   round_fn = jax.jit(alg.round)
   s1, m1 = round_fn(state, arrays, mask)
   np.testing.assert_allclose(m1["weights"], np.full(3, 1 / 3), atol=1e-6)
@@ -290,7 +345,7 @@ def test_dro_source_code_uses_last_rounds_losses_on_a_fixed_tenth():
   want = server.dro_update(s1.weights, s1.dro_losses, gamma=alg.config.gamma, rho=alg.config.rho)
   np.testing.assert_allclose(m2["weights"], want, atol=1e-6)
   assert not np.allclose(m2["weights"], 1 / 3)
-  paper, p_state, *_ = _tiny()
+  paper, p_state, *_ = _tiny(dro_form="eq12")
   _, p1 = jax.jit(paper.round)(p_state, arrays, mask)
   assert not np.allclose(p1["weights"], m1["weights"])  # the paper's: this round's losses
   with pytest.raises(ValueError, match="dro_source"):

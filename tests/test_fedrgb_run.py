@@ -21,7 +21,7 @@ from fedjax_mm.runner.errors import ConfigError
   [
     ("fedrgb.rho", -0.1, "fedrgb.rho must be >= 0, got -0.1."),
     ("fedrgb.gamma", float("nan"), "fedrgb.gamma must be finite and >= 0, got nan."),
-    ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['eq6', 'eq12']"),
+    ("fedrgb.dro_form", "eq7", "fedrgb.dro_form must be one of ['appb', 'eq6', 'eq12']"),
     ("fedrgb.dro_source", "authors", "fedrgb.dro_source must be one of ['paper', 'code']"),
     ("methods", ("fedrgb", "fedprox"), "unknown ['fedprox']"),
     ("learning_rate", float("nan"), "learning_rate must be finite and > 0, got nan."),

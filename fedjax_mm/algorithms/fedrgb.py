@@ -7,10 +7,11 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. Each method of :data:`METH
 ``round(state, arrays, mask) -> (state, metrics)``, :class:`FedRGB`'s methods. One round:
 
 1. **DRO losses at the start of the round** (Algorithm 1 line 3): every client
-   computes ``v_c = L_dro`` (in the configured form, eq. (12) by default, or eq.
-   (6)) of the current teacher on one batch, with the learnable encoder copy
-   equal to the global encoder (no distortion yet: the regulariser is 0, so under
-   eq. (12) ``v_c`` is the teacher's ``L_CL`` on the global features).
+   computes ``v_c = L_dro`` (in the configured form: App. B's by default, eq. (12)
+   or eq. (6)) of the current teacher on one batch, with the learnable encoder copy
+   equal to the global encoder (no distortion yet: the regulariser is 0, so ``v_c``
+   is the teacher's ``L_CL`` on the global features, plus under App. B's form the
+   global aligners' ``L_task`` there).
 2. **DRO weights** (eq. (5), line 15): ``w <- Proj(w e^{gamma v} / sum, rho)``
    (:func:`fedjax_mm.server.dro_update`), used in this same round (line 23), as
    the paper says. ``dro_source="code"`` is the authors' code's variant instead:
@@ -33,18 +34,24 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. Each method of :data:`METH
    stage-1 aligner ``g`` gives ``L_task``; the teacher ``g*`` (trained here, as
    the paper says; the code never trains it) gives calibrated representations
    regularised towards its output on the frozen ``f*``'s features (weight
-   ``beta``) plus ``L_CL``. **Default: eq. (12)** (``L_CL`` between the
-   teacher's image and text outputs); ``dro_form="eq6"`` is eq. (6). Measured
-   (world, 5 clients, 5 rounds, seed 0): with eq. (6) and line 27 the global
-   aligners collapse to chance (i2t R@1 0.0%, chance 1%), since eq. (6) never
-   trains the teacher's image-text alignment (its ``L_CL`` pairs images with
-   images, and ``L_task`` reaches only the encoder copy through the frozen
-   local aligner) yet the teacher replaces the aligners; eq. (12) keeps the
-   alignment (i2t R@1 23.8%, FedAvg 24.4%). Under eq. (12) the encoder copy
-   gets no gradient where it starts (the regulariser is at its minimum and
-   ``L_CL`` reads the teacher on the frozen ``f*``'s features), so it moves only
-   by AdamW's weight decay and the regulariser's pull back: the stage trains the
-   teacher on ``L_CL`` of undistorted features. The
+   ``beta``) plus ``L_CL``. **Default: App. B** (``dro_form="appb"``): eq. (12)'s
+   regulariser and ``L_CL`` (between the teacher's image and text outputs on the
+   frozen ``f*``'s features) plus ``L_task`` of the client's frozen stage-1 aligner
+   on the distorted features, as App. B's text feeds them; ``dro_form="eq12"`` is
+   eq. (12) alone, ``"eq6"`` eq. (6). ``L_task`` is what distorts: it pulls the
+   encoder copy towards the client's own (biased) alignment, and the regulariser
+   then trains the teacher to give the same outputs on the distorted features as on
+   the clean ones. Under eq. (12) alone the copy gets no gradient where it starts
+   (the regulariser is at its minimum and ``L_CL`` reads the frozen ``f*``): with
+   ``beta = 0`` it moves only by AdamW's weight decay (tested), and with ``beta > 0``
+   by the regulariser's gradient of that drift, which Adam's normalisation turns into
+   steps of full size. That is distortion by the optimiser, not by the client's
+   alignment; the stage then trains the teacher on ``L_CL`` of undistorted features. Measured (world, 5 clients, 5
+   rounds, seed 0): with eq. (6) and line 27 the global aligners collapse to chance
+   (i2t R@1 0.0%, chance 1%), since eq. (6) never trains the teacher's image-text
+   alignment (its ``L_CL`` pairs images with images, and ``L_task`` reaches only
+   the encoder copy through the frozen local aligner) yet the teacher replaces the
+   aligners; eq. (12) keeps the alignment (i2t R@1 23.8%, FedAvg 24.4%). The
    encoder copy is discarded after the stage (only the teacher is sent, as
    Table 9's stage-2 traffic implies).
 6. **Server**: the teachers' average weighted by ``w`` becomes both the next
@@ -64,14 +71,17 @@ code's 768-2048-128 heads):
 * Projection head: Linear -> GELU -> Linear to ``d`` and L2-normalised; no
   BatchNorm (the library's models hold no batch statistics).
 * Encoders frozen in stage 1 by default (the code; the paper trains the whole
-  model): ``train_encoders=True`` is the paper's. **With frozen encoders and eq.
-  (12), stage 1 cannot change the result**: line 27 replaces the aligners by the
-  teacher, eq. (12) does not read the local aligners, and the encoders do not
-  move, so the local aligners trained in stage 1 reach nothing (tested: the
-  "->CL" guidance gives bit for bit the round eq. (1) gives). FedRGB then reduces
-  to the DRO-weighted teacher step. In the authors' code stage 1 counts because
-  their teacher is the average of the stage-1 aligners (``teacher="average"``);
-  in the paper's Algorithm 1 it counts through the encoders it trains.
+  model): ``train_encoders=True`` is the paper's. Stage 1 reaches the next round
+  through stage 2: App. B's ``L_task`` reads the client's stage-1 aligner, whose
+  alignment distorts the encoder copy that the teacher learns to be robust to
+  (tested: the "->CL" guidance changes the round). **With frozen encoders and eq.
+  (12) alone, stage 1 cannot change the result**: line 27 replaces the aligners by
+  the teacher, eq. (12) does not read the local aligners, and the encoders do not
+  move, so the local aligners trained in stage 1 reach nothing (tested: the "->CL"
+  guidance gives bit for bit the round eq. (1) gives). In the authors' code stage
+  1 counts because their teacher is the average of the stage-1 aligners
+  (``teacher="average"``); in the paper's Algorithm 1 it also counts through the
+  encoders it trains.
 * Losses reduced by the mean over the batch (:mod:`fedjax_mm.losses.fedrgb`).
 * Optimiser: AdamW (weight decay 0.05, the authors' code's; App. C names no
   optimiser), fresh state every stage and round (the code re-creates its
@@ -81,7 +91,7 @@ code's 768-2048-128 heads):
   authors' code runs no round before the first either (``FedAvg_SLIA_HC.py``):
   its first round's guiding aligners are freshly initialised modules of their own
   (``SLIA_module.py``), set from the averaged aligners only after stage 1. With
-  frozen encoders and eq. (12) stage 1 cannot change the result (above); with
+  frozen encoders and eq. (12) alone stage 1 cannot change the result (above); with
   ``train_encoders`` the first round's guidance pulls towards that aligner.
 
 ``method="fedavg"`` is the baseline on the same backbone: stage 1 on
@@ -378,7 +388,7 @@ class RgbConfig:
   gamma: float = 1.0
   rho: float = 1.0
   tau: float = losses.fedrgb.TAU
-  dro_form: str = "eq12"
+  dro_form: str = "appb"
   dro_source: str = "paper"
   teacher: str = "dro"
   guide: str = "l2"

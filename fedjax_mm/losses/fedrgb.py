@@ -23,6 +23,13 @@ image and text matrices a positive pair.
   ``form="eq12"`` (App. B, eq. (12)): the same regulariser plus ``L_CL``
   between the teacher's image and text outputs on the undistorted features
   (the superscript ``fz``, read as "frozen"), and no ``L_task``.
+  ``form="appb"`` (App. B as a whole, the default of :mod:`fedjax_mm.algorithms.fedrgb`):
+  eq. (12) plus ``L_task`` of the frozen local aligner on the distorted features, which
+  App. B's text feeds to ``L_task`` ("the distorted features are input to the frozen g
+  to calculate the task loss") before giving eq. (12) as "the regularization term".
+  ``L_task`` is the only term through which the encoder copy is distorted: at the start
+  the copy equals ``f*``, where the regulariser is at its minimum (zero gradient), and
+  eq. (12)'s ``L_CL`` does not read the copy.
 
 Choices (the paper against the authors' code, BioMed-AI-Lab-U-Michgan/TMLR_FedDRA):
 
@@ -53,7 +60,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 TAU = 0.07
-DRO_FORMS = ("eq6", "eq12")
+DRO_FORMS = ("appb", "eq6", "eq12")
 
 
 def _check_pair(a: Array, b: Array, name: str) -> None:
@@ -173,7 +180,7 @@ def dro_loss(
   tau: float | Array = TAU,
   form: str = "eq6",
 ) -> Array:
-  r"""Stage-2 teacher loss per pair, eq. (6) (default) or eq. (12).
+  r"""Stage-2 teacher loss per pair: eq. (6) (default), eq. (12), or App. B's eq. (12) + ``L_task``.
 
   Args:
     teacher_img, teacher_txt: ``[n, d]`` ``z*``: the teacher aligners on the
@@ -181,11 +188,12 @@ def dro_loss(
     anchor_img, anchor_txt: ``[n, d]`` ``z~*``: the teacher aligners on the
       undistorted features (the frozen stage-1 encoder).
     local_img, local_txt: ``[n, d]`` the frozen local aligners on the distorted
-      features (needed by ``eq6``, ignored by ``eq12``).
+      features (needed by ``eq6`` and ``appb``, ignored by ``eq12``).
     beta: the regulariser's weight.
     tau: temperature of ``L_CL`` and ``L_task``.
     form: ``"eq6"``: ``beta reg + L_CL(z*_I, z~*_I) + L_task(z_I, z_T)``;
-      ``"eq12"``: ``beta reg + L_CL(z~*_I, z~*_T)``.
+      ``"eq12"``: ``beta reg + L_CL(z~*_I, z~*_T)``; ``"appb"``: ``beta reg +
+      L_CL(z~*_I, z~*_T) + L_task(z_I, z_T)``.
 
   Returns:
     ``[n]``; ``reg = ||z~*_I - z*_I||^2 + ||z~*_T - z*_T||^2`` per pair.
@@ -196,6 +204,9 @@ def dro_loss(
   if form == "eq12":
     return beta * reg + task_loss(anchor_img, anchor_txt, tau=tau)
   if local_img is None or local_txt is None:
-    raise ValueError("dro_loss: form='eq6' needs local_img and local_txt.")
+    raise ValueError(f"dro_loss: form={form!r} needs local_img and local_txt.")
+  if form == "appb":
+    aligned = task_loss(anchor_img, anchor_txt, tau=tau)
+    return beta * reg + aligned + task_loss(local_img, local_txt, tau=tau)
   cl = task_loss(teacher_img, anchor_img, tau=tau)
   return beta * reg + cl + task_loss(local_img, local_txt, tau=tau)
