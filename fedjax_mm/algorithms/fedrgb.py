@@ -46,12 +46,13 @@ authors' code is BioMed-AI-Lab-U-Michgan/TMLR_FedDRA. Each method of :data:`METH
    ``beta = 0`` it moves only by AdamW's weight decay (tested), and with ``beta > 0``
    by the regulariser's gradient of that drift, which Adam's normalisation turns into
    steps of full size. That is distortion by the optimiser, not by the client's
-   alignment; the stage then trains the teacher on ``L_CL`` of undistorted features. Measured (world, 5 clients, 5
-   rounds, seed 0): with eq. (6) and line 27 the global aligners collapse to chance
-   (i2t R@1 0.0%, chance 1%), since eq. (6) never trains the teacher's image-text
-   alignment (its ``L_CL`` pairs images with images, and ``L_task`` reaches only
-   the encoder copy through the frozen local aligner) yet the teacher replaces the
-   aligners; eq. (12) keeps the alignment (i2t R@1 23.8%, FedAvg 24.4%). The
+   alignment; the stage then trains the teacher on ``L_CL`` of undistorted
+   features. Measured (world, 5 clients, 5 rounds, seed 0): with eq. (6) and line
+   27 the global aligners collapse to chance (i2t R@1 0.0%, chance 1%), since eq.
+   (6) never trains the teacher's image-text alignment (its ``L_CL`` pairs images
+   with images, and ``L_task`` reaches only the encoder copy through the frozen
+   local aligner) yet the teacher replaces the aligners; eq. (12) keeps the
+   alignment (i2t R@1 23.8%, FedAvg 24.4%). The
    encoder copy is discarded after the stage (only the teacher is sent, as
    Table 9's stage-2 traffic implies).
 6. **Server**: the teachers' average weighted by ``w`` becomes both the next

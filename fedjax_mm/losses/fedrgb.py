@@ -180,7 +180,7 @@ def dro_loss(
   tau: float | Array = TAU,
   form: str = "eq6",
 ) -> Array:
-  r"""Stage-2 teacher loss per pair: eq. (6) (default), eq. (12), or App. B's eq. (12) + ``L_task``.
+  r"""Stage-2 teacher loss per pair: eq. (6) (default), eq. (12), or App. B's (eq. (12) + L_task).
 
   Args:
     teacher_img, teacher_txt: ``[n, d]`` ``z*``: the teacher aligners on the
@@ -201,12 +201,12 @@ def dro_loss(
   if form not in DRO_FORMS:
     raise ValueError(f"dro_loss: form must be one of {DRO_FORMS}, got {form!r}.")
   reg = squared_distance(anchor_img, teacher_img) + squared_distance(anchor_txt, teacher_txt)
-  if form == "eq12":
-    return beta * reg + task_loss(anchor_img, anchor_txt, tau=tau)
+  if form == "eq6":  # L_CL between the teacher's image outputs, distorted and not
+    value = beta * reg + task_loss(teacher_img, anchor_img, tau=tau)
+  else:  # eq. (12)'s L_CL between the teacher's image and text outputs, undistorted
+    value = beta * reg + task_loss(anchor_img, anchor_txt, tau=tau)
+    if form == "eq12":
+      return value
   if local_img is None or local_txt is None:
     raise ValueError(f"dro_loss: form={form!r} needs local_img and local_txt.")
-  if form == "appb":
-    aligned = task_loss(anchor_img, anchor_txt, tau=tau)
-    return beta * reg + aligned + task_loss(local_img, local_txt, tau=tau)
-  cl = task_loss(teacher_img, anchor_img, tau=tau)
-  return beta * reg + cl + task_loss(local_img, local_txt, tau=tau)
+  return value + task_loss(local_img, local_txt, tau=tau)  # L_task, distorted features
