@@ -206,3 +206,26 @@ def test_feature_cache_prints_both_variants_their_ratio_and_their_agreement():
   # The smoke users' cached round computes what the raw one computes (float32 rounding).
   diff = float(re.search(r"difference after 2 rounds: (\S+) points", out).group(1))
   assert diff < 1e-3
+
+
+def test_fedrgb_ssl_terms_prints_every_term_against_l_task():
+  out = _run("fedrgb_ssl_terms", "--config=experiments/fedrgb.py:smoke")
+  num = r"(-?\d+\.\d+)"
+  rows = {
+    (m, t): (float(v), float(r))
+    for m, t, v, r in re.findall(rf"^(\w+)\s+(\w+)\s+{num}\s+{num}$", out, re.M)
+  }
+  names = ("local_contrastive", "local_relational", "global_contrastive", "global_relational")
+  assert set(rows) == {("fedx", n) for n in names} | {
+    (m, n) for m in ("fedmae", "fedmae_masked") for n in ("task", "reconstruction")
+  }, out
+  for m, base in (("fedx", "local_contrastive"), ("fedmae", "task"), ("fedmae_masked", "task")):
+    assert rows[(m, base)][1] == 1.0
+  # At the received model FedX's global relational term is at its minimum, 0, gradient 0;
+  # its two other terms act.
+  assert rows[("fedx", "global_relational")] == (0.0, 0.0)
+  assert rows[("fedx", "local_relational")][1] > 0 and rows[("fedx", "global_contrastive")][1] > 0
+  # Both FedMAE rows reconstruct the same masked images; only their L_task differs.
+  assert rows[("fedmae", "reconstruction")][0] == rows[("fedmae_masked", "reconstruction")][0]
+  assert rows[("fedmae", "task")][0] != rows[("fedmae_masked", "task")][0]
+  assert len(re.findall(r"cosine\(others, L_task\)\s+[-+]\d\.\d{3}$", out, re.M)) == 3

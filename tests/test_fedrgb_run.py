@@ -29,6 +29,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedx.target_tau", 0.0, "fedx.target_tau must be > 0, got 0.0."),
     ("fedmae.mask_ratio", 1.0, "fedmae.mask_ratio must be in (0, 1)"),
     ("fedmae.weight", -1.0, "fedmae.weight must be >= 0, got -1.0."),
+    ("fedx.weight", -1.0, "fedx.weight must be >= 0, got -1.0."),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
     ("num_clients", 1, "num_clients must be >= 2"),
     ("devices", 2, "devices (2) must divide num_clients (3)"),

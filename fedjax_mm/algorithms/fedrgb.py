@@ -149,9 +149,10 @@ positive (the authors' autoscaler, target 0.8 by default). Adaptations:
 ``method="fedx"`` is the paper's adapted FedX (Han et al., "FedX: Unsupervised Federated
 Learning with Cross Knowledge Distillation", ECCV 2022; code Sungwon-Han/FEDX). A client
 keeps the global model it received frozen (``g``) and trains its copy (``z``) for
-``stage1_steps`` AdamW steps on FedX's four terms, each of weight 1 (the code's sum),
-on a batch of ``B`` pairs and a second batch of ``B`` anchor pairs drawn from its data
-(the code's "random" loader), :meth:`FedRGB.fedx_objective`::
+``stage1_steps`` AdamW steps on FedX's four terms, each of weight 1 (the code's sum;
+``fedx_weight`` scales the last three, 0 leaves FedAvg's client), on FedAvg's batch of
+``B`` pairs and a second batch of ``B`` anchor pairs drawn from its data (the code's
+"random" loader), :meth:`FedRGB.fedx_objective`::
 
   L = L_task(z_I, z_T)                                         local contrastive
     + L_rel(z_I, z_T; A_z)                                     local relational
@@ -262,6 +263,9 @@ PyTree = Any
 Array = jax.Array
 
 METHODS = ("fedrgb", "fedavg", "local", "centralised", "fedema", "fedx", "fedmae")
+#: What FedMAE's ``L_task`` reads: the clean images (MAE's loss beside it), or the masked
+#: ones the decoder reads (so the masking enters the alignment).
+MAE_CONTRASTS = ("clean", "masked")
 #: Where the teacher comes from: trained in stage 2 (eq. (6) / (12)), or the ablation
 #: "->avg.alig." (Sec. 5.4: "an align module that is simply averaged by local ones").
 TEACHERS = ("dro", "average")
@@ -307,12 +311,14 @@ class Encoders(nnx.Module):
 
   def __call__(self, images: Array, captions: Array):
     """``[b, S, S, 3], [b, L]`` -> image ``[b, 1 + HW/16, c]``, text ``[b, 1 + L, h]`` + mask."""
-    image_tokens = self.image_tokens(images)
-    b = image_tokens.shape[0]
+    return self.image_tokens(images), *self.text_tokens(captions)
+
+  def text_tokens(self, captions: Array) -> tuple[Array, Array]:
+    """``[b, L]`` -> text ``[b, 1 + L, h]`` (the pooled state first) and its mask."""
     pooled_t, tokens = self.text(captions)
     text_tokens = jnp.concatenate([pooled_t[:, None], tokens], 1)
-    text_mask = jnp.concatenate([jnp.ones((b, 1), bool), captions != 0], 1)
-    return image_tokens, text_tokens, text_mask
+    text_mask = jnp.concatenate([jnp.ones((captions.shape[0], 1), bool), captions != 0], 1)
+    return text_tokens, text_mask
 
 
 class Aligner(nnx.Module):
@@ -404,8 +410,11 @@ class RgbConfig:
   ema_divergence: str = "paper"  # FedEMA's divergence: "paper" | "code" (server.fedema)
   fedx_tau: float = losses.fedx.TAU  # FedX's contrastive and relational temperature
   fedx_target_tau: float = losses.fedx.TAU  # FedX's relational target temperature
+  fedx_weight: float = 1.0  # FedX: L_task + fedx_weight (its three other terms); its code: 1
   mae_ratio: float = losses.fedmae.MASK_RATIO  # FedMAE's share of masked patches
   mae_weight: float = 1.0  # FedMAE: L_task + mae_weight L_rec
+  # FedMAE's L_task reads the "clean" images or the "masked" ones (MAE_CONTRASTS).
+  mae_contrast: str = "clean"
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -432,6 +441,10 @@ class RgbConfig:
       raise ValueError(f"mae_ratio must be in (0, 1), got {self.mae_ratio}.")
     if not self.mae_weight >= 0:
       raise ValueError(f"mae_weight must be >= 0, got {self.mae_weight}.")
+    if self.mae_contrast not in MAE_CONTRASTS:
+      raise ValueError(f"mae_contrast must be one of {MAE_CONTRASTS}, got {self.mae_contrast!r}.")
+    if not self.fedx_weight >= 0:
+      raise ValueError(f"fedx_weight must be >= 0, got {self.fedx_weight}.")
 
 
 @struct.dataclass
@@ -522,7 +535,8 @@ class FedRGB:
   ):
     """``steps`` AdamW steps of ``loss_fn(params, batch)`` on batches drawn from ``mask``.
 
-    ``draws``: batches drawn per step, concatenated (FedX's second batch of anchors);
+    ``draws``: batches drawn per step, concatenated (FedX's second batch of anchors); the
+    first is the batch every method draws from the step's key;
     ``keyed``: ``loss_fn(params, batch, key)`` gets a fresh key each step (FedMAE's masks);
     ``max_steps``: a straggler's budget (``int32`` scalar, :mod:`fedjax_mm.core.faults`):
     the steps from it on leave the parameters and the optimiser state as they are (every
@@ -531,15 +545,21 @@ class FedRGB:
     """
     tx = self.tx
     n = mask.shape[0]
+    batch_size = self.config.batch_size
     probs = mask / jnp.maximum(jnp.sum(mask), 1)
 
     def step(carry, k):
       params, opt_state = carry
-      if keyed:
-        k, k_loss = jax.random.split(k)
-      idx = jax.random.choice(k, n, (draws * self.config.batch_size,), p=probs)
+      # The first batch is drawn as every method draws it, so FedX's and FedMAE's clients
+      # see FedAvg's batches; the anchors and the loss's key come from keys of their own.
+      idx = jnp.concatenate(
+        [
+          jax.random.choice(k if d == 0 else jax.random.fold_in(k, d), n, (batch_size,), p=probs)
+          for d in range(draws)
+        ]
+      )
       batch = jax.tree.map(lambda x: x[idx], arrays)
-      args = (batch, k_loss) if keyed else (batch,)
+      args = (batch, jax.random.fold_in(k, draws)) if keyed else (batch,)
       loss, grads = jax.value_and_grad(loss_fn)(params, *args)
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
@@ -619,17 +639,19 @@ class FedRGB:
     )
 
   def fedx_objective(self, params, start_encoder, start_aligner, batch):
-    """FedX's client loss: the sum of the four terms' batch means (the code's weights, 1)."""
+    """FedX's client loss: the local contrastive term (``L_task``) + ``fedx_weight`` times the
+    other three, batch means (the code's weights: 1)."""
     terms = self.fedx_terms(params, start_encoder, start_aligner, batch)
-    return sum(v.mean() for v in terms.values())
+    task = terms.pop("local_contrastive").mean()
+    return task + self.config.fedx_weight * sum(v.mean() for v in terms.values())
 
   def mae_terms(self, params, frozen_encoder, batch, key) -> tuple[Array, Array]:
-    """FedMAE's ``(L_task, L_rec)`` batch means: clean pairs, and masked images."""
+    """FedMAE's ``(L_task, L_rec)`` batch means: ``L_task`` of the clean pairs (or, with
+    ``mae_contrast="masked"``, of the masked images and their captions), and ``L_rec`` of
+    the masked images."""
     cfg = self.config
     enc = params["encoder"] if cfg.train_encoders else jax.lax.stop_gradient(frozen_encoder)
     images = batch["images"]
-    z_i, z_t = self.embed(enc, params["aligner"], images, batch["captions"])
-    task = losses.task_loss(z_i, z_t, tau=cfg.tau).mean()
     encoder = nnx.merge(self.encoder_def, enc)
     num_patches = jax.eval_shape(encoder.image_tokens, images[:1]).shape[1] - 1
     patch = images.shape[1] // int(round(num_patches**0.5))
@@ -637,7 +659,13 @@ class FedRGB:
       jax.random.split(key, images.shape[0])
     )
     tokens = encoder.image_tokens(mask_images(images, patch_mask, patch))
-    sequence = nnx.merge(self.aligner_def, params["aligner"]).image.encode(tokens)
+    aligner = nnx.merge(self.aligner_def, params["aligner"])
+    if cfg.mae_contrast == "masked":  # L_task reads the masked images (FLIP's way)
+      z_i, z_t = aligner.image(tokens), aligner.text(*encoder.text_tokens(batch["captions"]))
+    else:
+      z_i, z_t = self.embed(enc, params["aligner"], images, batch["captions"])
+    task = losses.task_loss(z_i, z_t, tau=cfg.tau).mean()
+    sequence = aligner.image.encode(tokens)
     pred = nnx.merge(self.decoder_def, params["decoder"])(sequence, patch_mask)
     target = losses.patchify(images, patch)
     return task, losses.masked_reconstruction_loss(pred, target, patch_mask).mean()

@@ -589,6 +589,7 @@ FEDRGB: dict[str, Range] = {
   "fedema_tau": POSITIVE,
   "fedx.tau": POSITIVE,
   "fedx.target_tau": POSITIVE,
+  "fedx.weight": NON_NEGATIVE,
   "fedmae.mask_ratio": Range(0, 1, low_open=True, high_open=True),
   "fedmae.weight": NON_NEGATIVE,
   "distortion.steps": NON_NEGATIVE_INT,
