@@ -38,11 +38,13 @@ def get_config(arg=None):
     ("vitc_s", "transformer_s"),
   )
   config.web = ml_collections.ConfigDict({"size": 50_000, "shift": 0.5})
-  # Epochs per image encoder: the encoders FedMuscle's default users hold (cnn_m,
-  # resnet_t, vitc_s) get 12, about 25 minutes each on 2 CPU cores; the rest fewer.
+  # Epochs per image encoder: the encoders FedMuscle's default users hold get 12 (cnn_m,
+  # resnet_t: 45-55 minutes each on 2 CPU cores) and 20 (vitc_s, about 95 minutes: its
+  # shape probe reaches 69% at epoch 9 of 20 where the 12-epoch schedule gave 59%); the
+  # rest fewer.
   config.default_epochs = 3
   config.epochs = ml_collections.ConfigDict(
-    {"vit_t": 6, "cnn_s": 5, "vit_s": 4, "cnn_m": 12, "vit_b": 1, "resnet_t": 12, "vitc_s": 12}
+    {"vit_t": 6, "cnn_s": 5, "vit_s": 4, "cnn_m": 12, "vit_b": 1, "resnet_t": 12, "vitc_s": 20}
   )
   # Feature distillation beside the CLIP loss (fedjax_mm.algorithms.clip): the teacher
   # (an image encoder of this run's pairs, trained first by CLIP alone) is regressed by
