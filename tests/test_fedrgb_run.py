@@ -31,6 +31,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("fedmae.weight", -1.0, "fedmae.weight must be >= 0, got -1.0."),
     ("fedx.weight", -1.0, "fedx.weight must be >= 0, got -1.0."),
     ("gallery", 99, "test_per_client (8) must be >= gallery (99)"),
+    ("ood_test", 3, "ood_test (3) must be >= gallery (4)"),
     ("num_clients", 1, "num_clients must be >= 2"),
     ("devices", 2, "devices (2) must divide num_clients (3)"),
     ("devices", 9, "devices must be an int in [1, 8], the cpu devices"),
@@ -62,6 +63,11 @@ def test_validate_names_the_key(key, value, message):
   node[leaf] = value
   with pytest.raises(ConfigError, match=re.escape(message)):
     runner.validate(config)
+
+
+@pytest.mark.parametrize("variant", [None, "ablations", "smoke"])
+def test_every_variant_of_the_config_is_valid(variant):
+  runner.validate(fedrgb_config.get_config(variant))
 
 
 def test_categories_are_the_five_shape_bits():

@@ -184,10 +184,9 @@ def validate(config) -> None:
     )
   if int(sg.width) % 4:
     raise ConfigError(f"segmentation.width must be a positive multiple of 4, got {sg.width}.")
-  if int(config.test_per_client) < int(config.gallery):
-    raise ConfigError(
-      f"test_per_client ({config.test_per_client}) must be >= gallery ({config.gallery})."
-    )
+  for key in ("test_per_client", "ood_test"):  # each is scored in galleries too
+    if int(config[key]) < int(config.gallery):
+      raise ConfigError(f"{key} ({config[key]}) must be >= gallery ({config.gallery}).")
 
 
 def segmentation_target(mask: np.ndarray, target: str) -> np.ndarray:
