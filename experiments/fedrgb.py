@@ -4,10 +4,9 @@ r"""FedRGB against FedAvg and Local on the embedded world (issue 19, scaled).
 
 trains FedRGB (guided stage 1, DRO-weighted aggregation, stage 2's teacher on App. B's
 eq. (12) + L_task of the distorted features), FedAvg, Local, Centralised (one model on
-the union of the clients' pairs, FedAvg's
-steps summed over clients: the paper's upper bound) and FedEMA (each client starts a round
-from the divergence-aware EMA of the global model and its own, local loss L_task: the
-paper's adapted baseline), FedX (local and global contrastive and relational distillation
+the union of the clients' pairs, FedAvg's steps summed over clients: the paper's upper
+bound) and FedEMA (each client starts a round from the divergence-aware EMA of the
+global model and its own, local loss L_task: the paper's adapted baseline), FedX (local and global contrastive and relational distillation
 from the frozen received global model, L_task as its local contrastive term) and FedMAE
 (L_task plus MAE's reconstruction of 75% masked 4 x 4 patches through a decoder that is
 averaged, not evaluated) side by side from the shipped World-CLIP encoders (vit_t +
@@ -30,7 +29,8 @@ beside the all-positive mask; the matrices are in report.md and results.json.
 Scaled from App. C: 25 -> 10 rounds, 50 -> 20 stage-1 steps (the authors' code's 20),
 stage 2 50 steps, training batch 388 -> 32 (the evaluation keeps galleries of 388), lr
 2e-5 -> 1e-4 (few rounds), ViT-Base / BERT-base -> vit_t / transformer_t, 128-d outputs
-(the authors' code) -> 64; gamma = rho = alpha = 1, beta = 2; AdamW with weight decay 0.05 (the authors' code; App. C names no optimiser).
+(the authors' code) -> 64; gamma = rho = alpha = 1, beta = 2; AdamW with weight decay 0.05
+(the authors' code; App. C names no optimiser).
 Client faults are off; ``--config.faults.dropout=0.2`` etc. simulate them
 (:mod:`fedjax_mm.algorithms.fedrgb`'s docstring says what each does here).
 """
