@@ -6,8 +6,9 @@ trains FedRGB (guided stage 1, DRO-weighted aggregation, stage 2's teacher on Ap
 eq. (12) + L_task of the distorted features), FedAvg, Local, Centralised (one model on
 the union of the clients' pairs, FedAvg's steps summed over clients: the paper's upper
 bound) and FedEMA (each client starts a round from the divergence-aware EMA of the
-global model and its own, local loss L_task: the paper's adapted baseline), FedX (local and global contrastive and relational distillation
-from the frozen received global model, L_task as its local contrastive term) and FedMAE
+global model and its own, local loss L_task: the paper's adapted baseline), FedX (local
+and global contrastive and relational distillation from the frozen received global
+model, L_task as its local contrastive term) and FedMAE
 (L_task plus MAE's reconstruction of 75% masked 4 x 4 patches through a decoder that is
 averaged, not evaluated) side by side from the shipped World-CLIP encoders (vit_t +
 transformer_t, frozen in stage 1 as in the authors' code), 5 clients from a Dirichlet(1)
