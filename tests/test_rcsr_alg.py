@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import rcsr_toys
+from flax import nnx
 from rcsr_toys import MODALITY, PER_ROUND, N
 
 from fedjax_mm.algorithms import rcsr as alg
@@ -581,3 +582,27 @@ def test_creamfl_weight_acts_gca_ema_and_single_modality_clients(
   assert np.isfinite(np.asarray(s1.public_embeddings)).all()
   np.testing.assert_allclose(s1.public_embeddings, want, rtol=2e-4, atol=2e-5)
   assert not np.allclose(s1.public_embeddings, state0.public_embeddings)
+
+
+@pytest.mark.parametrize("build", [image.vit_t, image.vitc_t], ids=["patch_stem", "conv_stem"])
+def test_adapted_forward_is_the_encoders_own_when_adapters_are_zero(build):
+  # RcsrModel runs the ViT's blocks itself (an adapter after each); with every adapter's
+  # branch zeroed it must be the encoder's forward, whichever stem the ViT has.
+  enc = build(image_size=16, rngs=nnx.Rngs(0))
+  txt = text.transformer_t(vocab_size=len(world.VOCAB), max_len=12, rngs=nnx.Rngs(1))
+  model = alg.RcsrModel(
+    enc, txt, adapter_dim=4, head_hidden=8, dim=6, personal_hidden=4, rngs=nnx.Rngs(2)
+  )
+  for adapter in (*model.image_adapters, *model.client_image_adapters):
+    adapter.up.kernel[...] = jnp.zeros_like(adapter.up.kernel[...])
+    adapter.up.bias[...] = jnp.zeros_like(adapter.up.bias[...])
+  x = jax.random.uniform(jax.random.key(0), (3, 16, 16, 3))
+  want = model.image_head(enc(x)[0])
+  want = want / jnp.linalg.norm(want, axis=-1, keepdims=True)
+  for scale in (None, jnp.asarray(0.7)):
+    np.testing.assert_allclose(model.embed_image(x, scale), want, rtol=1e-5, atol=1e-6)
+  # And the adapters act: a non-zero branch changes the embedding.
+  first = model.image_adapters[0]
+  first.down.kernel[...] = jax.random.normal(jax.random.key(1), first.down.kernel[...].shape)
+  first.up.kernel[...] = jax.random.normal(jax.random.key(2), first.up.kernel[...].shape)
+  assert float(jnp.abs(model.embed_image(x) - want).max()) > 1e-2

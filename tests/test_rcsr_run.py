@@ -33,6 +33,7 @@ from fedjax_mm.runner.errors import ConfigError
     ("kmeans_k", 81, "kmeans_k (81) must be at most the 80 captions it clusters"),
     ("rcsr.router_width", 15, "rcsr.router_width (15) must be a multiple of rcsr.router_heads (4)"),
     ("image_size", 18, "image_size must be a multiple of vit_t's patch (4), got 18."),
+    ("image_encoder", "cnn_m", "image_encoder must be one of vit_t, vit_s, vit_b, vitc_t"),
     ("client_map", "foo", "client_map must be 'auto', 'vmap', 'scan' or 'map:<k>'"),
     ("methods", ("rcsr", "rcsr"), "methods: each at most once"),
     # World-CLIP's towers were pretrained on 32x32 images and 16-token captions.

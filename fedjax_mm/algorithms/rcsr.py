@@ -344,10 +344,7 @@ class RcsrModel(nnx.Module):
   def embed_image(self, x: Array, client_scale: Array | None = None) -> Array:
     """``[b, S, S, C] -> [b, d]`` normalised (the ViT's forward with adapters)."""
     enc = self.image_encoder
-    b, _, _, c = x.shape
-    g, p = enc.grid, enc.patch
-    patches = x.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, g * g, p * p * c)
-    tokens = enc.embed(patches) + enc.pos[...]
+    tokens = enc.embed_tokens(x)
     adapters = zip(enc.blocks, self.image_adapters, self.client_image_adapters, strict=True)
     for block, adapter, client in adapters:
       tokens = self._adapt(adapter, client, block(tokens), client_scale)

@@ -270,6 +270,19 @@ class Vit(nnx.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``[b, S, S, C] -> ([b, width], [b, S/patch, S/patch, width])``."""
     _check_image(x, self.channels)
+    tokens = self.embed_tokens(x)
+    for block in self.blocks:
+      tokens = block(tokens)
+    tokens = self.norm(tokens)
+    g = self.grid
+    return tokens.mean(axis=1), tokens.reshape(x.shape[0], g, g, -1)
+
+  def embed_tokens(self, x: jax.Array) -> jax.Array:
+    """``[b, S, S, C] -> [b, (S/patch)^2, width]``: the stem's tokens plus positions.
+
+    What the blocks read; a model that runs the blocks itself (RCSR's adapters after
+    each block) starts here, so it follows either stem.
+    """
     b, h, w, c = x.shape
     if (h, w) != (self.image_size, self.image_size):
       raise ValueError(f"Vit built for {self.image_size}x{self.image_size} images, got {h}x{w}.")
@@ -279,11 +292,7 @@ class Vit(nnx.Module):
     else:
       patches = x.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)
       tokens = self.embed(patches.reshape(b, g * g, p * p * c))
-    tokens = tokens + self.pos[...]
-    for block in self.blocks:
-      tokens = block(tokens)
-    tokens = self.norm(tokens)
-    return tokens.mean(axis=1), tokens.reshape(b, g, g, -1)
+    return tokens + self.pos[...]
 
 
 # --- Named constructors (the registry's entries) -------------------------------

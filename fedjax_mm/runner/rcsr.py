@@ -51,9 +51,12 @@ from fedjax_mm.runner.errors import ConfigError
 KS = (1, 5, 10)
 
 
-#: The encoders every RCSR row shares (frozen; adapters and heads train) and, with
-#: ``pretrained``, their World-CLIP checkpoints.
-IMAGE_ENCODER, TEXT_ENCODER = "vit_t", "transformer_t"
+#: The image encoders ``config.image_encoder`` may name: the zoo's ViTs, whose blocks
+#: take the adapters (the CNNs have no token blocks).
+IMAGE_ENCODERS = ("vit_t", "vit_s", "vit_b", "vitc_t", "vitc_s", "vitc_b")
+#: The text encoder every RCSR row shares (frozen, like the image one; adapters and
+#: heads train) and, with ``pretrained``, its World-CLIP checkpoint.
+TEXT_ENCODER = "transformer_t"
 
 
 def validate(config) -> None:
@@ -94,31 +97,38 @@ def validate(config) -> None:
       f"rcsr.router_width ({r.router_width}) must be a multiple of rcsr.router_heads "
       f"({r.router_heads}): each head reads width / heads of it."
     )
+  name = str(config.image_encoder)
+  if name not in IMAGE_ENCODERS:
+    raise ConfigError(
+      f"image_encoder must be one of {', '.join(IMAGE_ENCODERS)} (a ViT: the adapters "
+      f"follow its blocks), got {name!r}."
+    )
   if config.image_size % 4:
     raise ConfigError(
-      f"image_size must be a multiple of {IMAGE_ENCODER}'s patch (4), got {config.image_size}."
+      f"image_size must be a multiple of {name}'s patch (4), got {config.image_size}."
     )
   if config.pretrained:
-    for name, key, field in (
-      (IMAGE_ENCODER, "image_size", "image_size"),
+    for encoder, key, field in (
+      (name, "image_size", "image_size"),
       (TEXT_ENCODER, "max_len", "max_caption_len"),
     ):
       validation.check_pretrained(
-        f"world-clip/{name}", key, config[field], field=field, instead="pretrained=False"
+        f"world-clip/{encoder}", key, config[field], field=field, instead="pretrained=False"
       )
 
 
 def _encoders(config):
   rngs = nnx.Rngs(config.seed)
-  img = image_models.vit_t(image_size=config.image_size, rngs=rngs)
+  name = str(config.image_encoder)
+  img = getattr(image_models, name)(image_size=config.image_size, rngs=rngs)
   txt = text_models.transformer_t(
     vocab_size=len(world.VOCAB), max_len=config.max_caption_len, rngs=rngs
   )
   if config.pretrained:
     pretrained.load_into(
       img,
-      f"world-clip/{IMAGE_ENCODER}",
-      expect={"encoder": IMAGE_ENCODER, "image_size": config.image_size},
+      f"world-clip/{name}",
+      expect={"encoder": name, "image_size": config.image_size},
     )
     pretrained.load_into(
       txt,
